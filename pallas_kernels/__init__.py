@@ -1,0 +1,1 @@
+"""Pallas kernels for the recurrent layers, each with a pure-JAX reference beside it."""

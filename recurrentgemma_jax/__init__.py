@@ -1,0 +1,1 @@
+"""recurrentgemma_jax: Griffin, Hawk, MQA-Transformer and GLA language models."""

@@ -1,0 +1,1 @@
+"""Device meshes, logical-axis rules and partitioning of parameters and optimizer state."""
