@@ -1,0 +1,98 @@
+"""Model checkpoints: an Orbax composite directory with two items.
+
+- ``params``: the parameter tree (a nested dict of arrays, paths as in the model);
+- ``model_config``: the ``ModelConfig`` fields as JSON (plus the tokenizer the model was
+  trained with, when known).
+
+The importer writes exactly this; a training step directory (``WORKDIR/checkpoints/N``) has
+the same two items beside the optimizer state and the data position, so every script loads
+either with :func:`load_model`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from recurrentgemma_jax import model as model_lib
+from recurrentgemma_jax.errors import CheckpointError, first_line
+
+PARAMS = "params"
+MODEL_CONFIG = "model_config"
+
+
+def save_model(path: str, params: dict, cfg: model_lib.ModelConfig, *,
+               tokenizer: str | None = None) -> None:
+  """Writes ``params`` and the config to ``path`` (which must not exist yet)."""
+  meta = dataclasses.asdict(cfg)
+  meta["tokenizer"] = tokenizer
+  ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+  ckptr.save(os.path.abspath(path), ocp.args.Composite(
+      **{PARAMS: ocp.args.StandardSave(params), MODEL_CONFIG: ocp.args.JsonSave(meta)}))
+
+
+def _is_model_dir(path: str) -> bool:
+  return all(os.path.isdir(os.path.join(path, item)) for item in (PARAMS, MODEL_CONFIG))
+
+
+def resolve_model_dir(path: str) -> str:
+  """A model directory from a model directory, a training workdir or its ``checkpoints/``."""
+  if not os.path.exists(path):
+    raise CheckpointError(f"checkpoint {path!r} does not exist")
+  if _is_model_dir(path):
+    return path
+  ckpt_dir = os.path.join(path, "checkpoints") if os.path.isdir(
+      os.path.join(path, "checkpoints")) else path
+  steps = sorted((int(name) for name in os.listdir(ckpt_dir) if name.isdigit()), reverse=True)
+  for step in steps:
+    candidate = os.path.join(ckpt_dir, str(step))
+    if _is_model_dir(candidate):
+      return candidate
+  raise CheckpointError(
+      f"checkpoint {path!r} has no '{PARAMS}' and '{MODEL_CONFIG}' items (expected a directory "
+      "written by scripts/import_recurrentgemma.py or a training workdir)")
+
+
+def read_model_config(path: str) -> tuple[model_lib.ModelConfig, dict[str, Any]]:
+  """The model config and the raw JSON (which also names the tokenizer)."""
+  config_dir = os.path.join(path, MODEL_CONFIG)
+  files = [f for f in os.listdir(config_dir) if not f.startswith("_")]
+  if not files:
+    raise CheckpointError(f"checkpoint {path!r}: '{MODEL_CONFIG}' is empty")
+  try:
+    with open(os.path.join(config_dir, files[0])) as f:
+      meta = json.load(f)
+    return model_lib.ModelConfig.from_dict(meta), meta
+  except (OSError, ValueError, TypeError) as e:
+    raise CheckpointError(f"checkpoint {path!r}: cannot read '{MODEL_CONFIG}': {e}") from None
+
+
+def load_model(path: str, **overrides) -> tuple[model_lib.Model, dict[str, Any]]:
+  """Builds the model of a checkpoint and restores its parameters.
+
+  ``overrides`` replace config fields that do not change parameter shapes (``dtype``,
+  ``scan_impl``, ``attention_window_size``, ...).
+  """
+  path = resolve_model_dir(os.path.abspath(path))
+  cfg, meta = read_model_config(path)
+  cfg = dataclasses.replace(cfg, **overrides)
+  abstract = nnx.eval_shape(lambda: model_lib.init_model(cfg))
+  graphdef, abstract_state = nnx.split(abstract)
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        nnx.to_pure_dict(abstract_state))
+  ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+  try:
+    restored = ckptr.restore(path, ocp.args.Composite(
+        **{PARAMS: ocp.args.StandardRestore(target)}))[PARAMS]
+  except Exception as e:  # Orbax raises many types for a damaged or mismatched tree.
+    raise CheckpointError(f"checkpoint {path!r}: cannot restore '{PARAMS}': "
+                          f"{first_line(e)}") from None
+  nnx.replace_by_pure_dict(abstract_state, restored)
+  return nnx.merge(graphdef, abstract_state), meta

@@ -1,0 +1,29 @@
+"""What every entry point shares: one-line errors instead of tracebacks, flag parsing."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+from recurrentgemma_jax.errors import CheckpointError, ConfigError, first_line
+
+USER_ERRORS = (ConfigError, CheckpointError)
+
+
+@contextlib.contextmanager
+def user_errors():
+  """Turns a user error into ``error: <one line>`` on stderr and exit status 2."""
+  try:
+    yield
+  except USER_ERRORS as e:
+    print(f"error: {first_line(e, limit=1000)}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_bool(value: str) -> bool:
+  lowered = str(value).lower()
+  if lowered in ("1", "true", "yes", "on"):
+    return True
+  if lowered in ("0", "false", "no", "off"):
+    return False
+  raise ValueError(f"expected true or false, got {value!r}")

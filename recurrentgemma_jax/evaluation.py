@@ -1,0 +1,48 @@
+"""Per-token log-likelihood of whole sequences (one document per row)."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from recurrentgemma_jax.errors import ConfigError
+
+
+def read_tokens(path: str) -> np.ndarray:
+  """An int ``[N, T]`` array with ``T >= 2`` from a ``.npy`` file, or a one-line error."""
+  if not os.path.isfile(path):
+    raise ConfigError(f"--tokens {path!r} does not exist")
+  try:
+    tokens = np.load(path, allow_pickle=False)
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"--tokens {path!r} is not a .npy array: {e}") from None
+  if tokens.ndim != 2 or tokens.shape[1] < 2 or not np.issubdtype(tokens.dtype, np.integer):
+    raise ConfigError(f"--tokens {path!r} has shape {tokens.shape} and dtype {tokens.dtype}; "
+                      "expected integers of shape [N, T] with T >= 2")
+  if tokens.size and tokens.min() < 0:
+    raise ConfigError(f"--tokens {path!r} has negative token ids")
+  return tokens.astype(np.int32)
+
+
+@nnx.jit
+def _row_nll(model, tokens):
+  segment_pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  logits = model(tokens, segment_pos)[:, :-1]
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+
+def token_nll(model, tokens: np.ndarray, *, batch_size: int = 8) -> np.ndarray:
+  """``[N, T-1]`` float32: NLL of ``tokens[:, t+1]`` given ``tokens[:, :t+1]``."""
+  out = []
+  for start in range(0, len(tokens), batch_size):
+    batch = tokens[start:start + batch_size]
+    pad = batch_size - len(batch)
+    if pad:  # one compiled shape for every batch
+      batch = np.concatenate([batch, np.zeros((pad, batch.shape[1]), batch.dtype)])
+    out.append(np.asarray(_row_nll(model, jnp.asarray(batch)))[:batch_size - pad])
+  return np.concatenate(out).astype(np.float32)

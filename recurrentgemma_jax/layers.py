@@ -1,0 +1,177 @@
+"""Small layers shared by every block: parameters with logical axes, RMSNorm, dense and
+block-diagonal projections, the temporal Conv1D and the embedder.
+
+Every parameter carries an ``axes`` metadata tuple of logical axis names (``embed``, ``mlp``,
+``lru``, ``heads``, ``kv``, ``vocab``, ``blocks`` or None); ``sharding/`` maps those names to mesh
+axes, so no layer knows about devices. Parameter names follow the official RecurrentGemma tree so
+that importing a checkpoint is a rename of paths, not of meanings.
+
+Shapes: ``B`` batch, ``T`` time, ``D`` input width, ``F`` output width.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
+
+
+def fan_in_normal(scale: float = 1.0, in_axis: int | Sequence[int] = -2) -> Initializer:
+  """Normal with variance ``scale / fan_in`` (not truncated, as in the official models)."""
+  return nnx.initializers.variance_scaling(scale, "fan_in", "normal", in_axis=in_axis)
+
+
+def param(
+    rngs: nnx.Rngs,
+    init: Initializer,
+    shape: Sequence[int],
+    dtype: jnp.dtype,
+    axes: tuple[str | None, ...],
+) -> nnx.Param:
+  """A parameter initialised in float32 (then cast) and tagged with logical axis names."""
+  assert len(axes) == len(shape), (shape, axes)
+  value = init(rngs.params(), tuple(shape), jnp.float32).astype(dtype)
+  return nnx.Param(value, axes=axes)
+
+
+def zeros(shape: Sequence[int], dtype: jnp.dtype, axes: tuple[str | None, ...]) -> nnx.Param:
+  assert len(axes) == len(shape), (shape, axes)
+  return nnx.Param(jnp.zeros(tuple(shape), dtype), axes=axes)
+
+
+class RMSNorm(nnx.Module):
+  """``x / rms(x) * (1 + scale)``, computed in float32 whatever the activation dtype."""
+
+  def __init__(self, width: int, *, param_dtype=jnp.float32, axis_name: str = "embed",
+               eps: float = 1e-6):
+    self.eps = eps
+    self.scale = zeros((width,), param_dtype, (axis_name,))
+
+  def __call__(self, x: Float[Array, "*b d"]) -> Float[Array, "*b d"]:
+    x32 = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    normed = x32 * jax.lax.rsqrt(var + self.eps)
+    return (normed * (self.scale.value.astype(jnp.float32) + 1.0)).astype(x.dtype)
+
+
+class Dense(nnx.Module):
+  """``x @ kernel (+ bias)`` with kernel ``[D, F]``, computed in ``dtype``."""
+
+  def __init__(self, in_features: int, out_features: int, *, axes: tuple[str | None, str | None],
+               rngs: nnx.Rngs, use_bias: bool = True, init_scale: float = 1.0,
+               param_dtype=jnp.float32, dtype=jnp.float32):
+    self.dtype = dtype
+    self.kernel = param(rngs, fan_in_normal(init_scale), (in_features, out_features),
+                        param_dtype, axes)
+    self.bias = zeros((out_features,), param_dtype, (axes[1],)) if use_bias else None
+
+  def __call__(self, x: Float[Array, "*b d"]) -> Float[Array, "*b f"]:
+    y = jnp.dot(x.astype(self.dtype), self.kernel.value.astype(self.dtype))
+    if self.bias is not None:
+      y = y + self.bias.value.astype(self.dtype)
+    return y
+
+
+class BlockDiagonalLinear(nnx.Module):
+  """A linear map made of ``num_blocks`` independent ``[D/n, F/n]`` blocks.
+
+  The Griffin paper uses it for the RG-LRU gates so that they shard over channels with no
+  communication: block ``h`` reads and writes only channels ``h*D/n .. (h+1)*D/n``.
+  """
+
+  def __init__(self, width_in: int, width_out: int, num_blocks: int, *, rngs: nnx.Rngs,
+               param_dtype=jnp.float32, dtype=jnp.float32):
+    self.num_blocks = num_blocks
+    self.dtype = dtype
+    self.w = param(rngs, fan_in_normal(1.0),
+                   (num_blocks, width_in // num_blocks, width_out // num_blocks), param_dtype,
+                   ("blocks", None, None))
+    self.b = zeros((num_blocks, width_out // num_blocks), param_dtype, ("blocks", None))
+
+  def __call__(self, x: Float[Array, "*b t d"]) -> Float[Array, "*b t f"]:
+    x = x.astype(self.dtype)
+    xb = x.reshape(*x.shape[:-1], self.num_blocks, -1)
+    y = jnp.einsum("...hi,hij->...hj", xb, self.w.value.astype(self.dtype))
+    y = y + self.b.value.astype(self.dtype)
+    return y.reshape(*x.shape[:-1], -1)
+
+
+def document_ids(segment_pos: Int[Array, "b t"]) -> Int[Array, "b t"]:
+  """Numbers the documents of each row (a new one starts wherever ``segment_pos == 0``)."""
+  return jnp.cumsum(segment_pos == 0, axis=-1)
+
+
+class Conv1D(nnx.Module):
+  """Causal channel-wise convolution over time, ``temporal_width`` taps, reset at documents.
+
+  ``y[t] = b + sum_s w[W-1-s] * x[t-s]`` over the taps ``s`` whose input lies in the same
+  document as ``t``. In decoding, ``state`` holds the previous ``W-1`` inputs.
+  """
+
+  def __init__(self, width: int, temporal_width: int = 4, *, rngs: nnx.Rngs,
+               param_dtype=jnp.float32, dtype=jnp.float32):
+    self.temporal_width = temporal_width
+    self.dtype = dtype
+    self.w = param(rngs, fan_in_normal(0.01), (temporal_width, width), param_dtype,
+                   (None, "lru"))
+    self.b = zeros((width,), param_dtype, ("lru",))
+
+  def __call__(
+      self,
+      x: Float[Array, "b t d"],
+      segment_pos: Int[Array, "b t"],
+      state: Float[Array, "b w d"] | None = None,
+  ) -> tuple[Float[Array, "b t d"], Float[Array, "b w d"]]:
+    """Returns the convolution and the last ``W-1`` inputs (the decoding state)."""
+    width = self.temporal_width
+    x = x.astype(self.dtype)
+    w = self.w.value.astype(self.dtype)
+    t = x.shape[1]
+    if state is None:
+      history = jnp.zeros((x.shape[0], width - 1, x.shape[2]), x.dtype)
+      # Tokens before the row belong to no document: taps reaching them are masked below.
+      doc = document_ids(segment_pos)
+      doc = jnp.concatenate([jnp.full((doc.shape[0], width - 1), -1, doc.dtype), doc], axis=1)
+    else:
+      history = state.astype(x.dtype)
+      # Continuing a sequence: the cached inputs are in the same document unless this token
+      # starts a new one.
+      doc = jnp.concatenate(
+          [jnp.zeros((x.shape[0], width - 1), jnp.int32), document_ids(segment_pos)], axis=1)
+    padded = jnp.concatenate([history, x], axis=1)
+    out = jnp.zeros_like(x)
+    for shift in range(min(width, t + width - 1)):
+      window = padded[:, width - 1 - shift: width - 1 - shift + t]
+      same_doc = doc[:, width - 1 - shift: width - 1 - shift + t] == doc[:, width - 1:]
+      out = out + jnp.where(same_doc[..., None], window, 0) * w[width - 1 - shift]
+    out = out + self.b.value.astype(self.dtype)
+    return out, padded[:, -(width - 1):]
+
+
+class Embedder(nnx.Module):
+  """Token embedding, shared with the output layer (tied weights)."""
+
+  def __init__(self, vocab_size: int, width: int, *, scale_by_sqrt_dim: bool, rngs: nnx.Rngs,
+               param_dtype=jnp.float32, dtype=jnp.float32):
+    self.width = width
+    self.scale_by_sqrt_dim = scale_by_sqrt_dim
+    self.dtype = dtype
+    self.input_embedding = param(rngs, fan_in_normal(1.0, in_axis=1), (vocab_size, width),
+                                 param_dtype, ("vocab", "embed"))
+
+  def encode(self, tokens: Int[Array, "b t"]) -> Float[Array, "b t d"]:
+    x = jnp.take(self.input_embedding.value, tokens, axis=0).astype(self.dtype)
+    if self.scale_by_sqrt_dim:
+      # RecurrentGemma was trained with the factor rounded to bfloat16; keep that rounding so
+      # official checkpoints give the official outputs.
+      x = x * jnp.asarray(math.sqrt(self.width), jnp.bfloat16).astype(self.dtype)
+    return x
+
+  def decode(self, x: Float[Array, "b t d"]) -> Float[Array, "b t v"]:
+    return jnp.dot(x.astype(self.dtype), self.input_embedding.value.astype(self.dtype).T)

@@ -1,0 +1,274 @@
+"""The language model: embedder, residual blocks from a per-layer pattern, final norm, tied
+output layer (``model.family`` picks the pattern: griffin, hawk, mqa or gla).
+
+A residual block is ``x + temporal(RMSNorm(x))`` then ``x + MLP(RMSNorm(x))``; the temporal
+block is the recurrent block (RG-LRU), MQA attention (local or global) or GLA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from recurrentgemma_jax import attention
+from recurrentgemma_jax import layers
+from recurrentgemma_jax import recurrent
+
+FAMILIES = ("griffin", "hawk", "mqa", "gla")
+BLOCK_TYPES = ("recurrent", "attention", "global_attention", "gla")
+REMAT_POLICIES = ("none", "block", "dots")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+# The repeated unit of each family's block pattern.
+FAMILY_PATTERNS = {
+    "griffin": ("recurrent", "recurrent", "attention"),
+    "hawk": ("recurrent",),
+    "mqa": ("global_attention",),
+    "gla": ("gla",),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture and numerics of a model (the ``model`` part of a run config).
+
+  ``block_types`` is derived from ``family`` and ``num_layers`` unless given explicitly (the
+  importer reads it off a checkpoint).
+  """
+
+  family: str = "griffin"
+  vocab_size: int = 256_000
+  width: int = 2560
+  num_layers: int = 26
+  num_heads: int = 10
+  lru_width: int | None = None          # None: equal to width
+  mlp_expanded_width: int | None = None  # None: 3 * width
+  attention_window_size: int = 2048
+  num_gate_blocks: int | None = None     # block-diagonal RG-LRU gate blocks; None: num_heads
+  conv1d_temporal_width: int = 4
+  embeddings_scale_by_sqrt_dim: bool = True
+  logits_soft_cap: float = 30.0          # 0 disables the tanh cap
+  block_types: tuple[str, ...] | None = None
+  # GLA (Yang et al. 2023): heads, key/value expansion and the rank of the forget gate.
+  gla_num_heads: int | None = None       # None: num_heads
+  gla_expand_k: float = 0.5
+  gla_expand_v: float = 1.0
+  gla_gate_rank: int = 16
+  gla_chunk_size: int = 64
+  # Numerics and kernels.
+  param_dtype: str = "float32"
+  dtype: str = "bfloat16"
+  scan_impl: str = "auto"
+  fused_rg_lru: bool = False
+  remat: str = "none"
+
+  @property
+  def resolved_block_types(self) -> tuple[str, ...]:
+    if self.block_types is not None:
+      return tuple(self.block_types)
+    return tuple(itertools.islice(itertools.cycle(FAMILY_PATTERNS[self.family]),
+                                  self.num_layers))
+
+  @property
+  def resolved_lru_width(self) -> int:
+    return self.lru_width or self.width
+
+  @property
+  def resolved_mlp_width(self) -> int:
+    return self.mlp_expanded_width or 3 * self.width
+
+  @property
+  def resolved_gate_blocks(self) -> int:
+    return self.num_gate_blocks or self.num_heads
+
+  @property
+  def head_dim(self) -> int:
+    return self.width // self.num_heads
+
+  @classmethod
+  def from_dict(cls, d: Any) -> "ModelConfig":
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: v for k, v in dict(d).items() if k in fields}
+    if kwargs.get("block_types") is not None:
+      kwargs["block_types"] = tuple(kwargs["block_types"])
+    return cls(**kwargs)
+
+  def errors(self) -> list[str]:
+    """One line per invalid field (empty when the architecture can be built)."""
+    out = []
+    if self.family not in FAMILIES:
+      out.append(f"model.family={self.family!r} is not one of {'|'.join(FAMILIES)}")
+      return out
+    for name in ("vocab_size", "width", "num_layers", "num_heads", "attention_window_size",
+                 "conv1d_temporal_width"):
+      if int(getattr(self, name)) <= 0:
+        out.append(f"model.{name}={getattr(self, name)} must be a positive integer")
+    if out:
+      return out
+    types = self.resolved_block_types
+    bad = [t for t in types if t not in BLOCK_TYPES]
+    if bad:
+      out.append(f"model.block_types has {bad[0]!r}; allowed: {'|'.join(BLOCK_TYPES)}")
+    if self.block_types is not None and len(types) != self.num_layers:
+      out.append(f"model.block_types has {len(types)} entries but model.num_layers="
+                 f"{self.num_layers}")
+    if any(t in ("attention", "global_attention") for t in types):
+      if self.width % self.num_heads:
+        out.append(f"model.num_heads={self.num_heads} does not divide model.width="
+                   f"{self.width}")
+      elif self.head_dim % 4:
+        out.append(f"model.width / model.num_heads = {self.head_dim} must be a multiple of 4 "
+                   "(RoPE rotates half of each head in pairs)")
+    if "recurrent" in types:
+      lru, blocks = self.resolved_lru_width, self.resolved_gate_blocks
+      if lru <= 0 or lru % blocks:
+        out.append(f"model.num_gate_blocks (or num_heads) = {blocks} does not divide "
+                   f"model.lru_width={lru}")
+    if "gla" in types:
+      heads = self.gla_num_heads or self.num_heads
+      for name, expand in (("gla_expand_k", self.gla_expand_k),
+                           ("gla_expand_v", self.gla_expand_v)):
+        dim = int(self.width * expand)
+        if dim <= 0 or dim % heads:
+          out.append(f"model.{name}={expand}: width*{expand}={dim} is not a positive "
+                     f"multiple of the {heads} GLA heads")
+    if self.param_dtype not in DTYPES:
+      out.append(f"model.param_dtype={self.param_dtype!r} is not one of float32|bfloat16")
+    if self.dtype not in DTYPES:
+      out.append(f"model.dtype={self.dtype!r} is not one of float32|bfloat16")
+    if self.scan_impl not in ("auto", "pallas", "xla_linear", "xla_associative"):
+      out.append(f"model.scan_impl={self.scan_impl!r} is not one of "
+                 "auto|pallas|xla_linear|xla_associative")
+    if self.remat not in REMAT_POLICIES:
+      out.append(f"model.remat={self.remat!r} is not one of {'|'.join(REMAT_POLICIES)}")
+    if self.logits_soft_cap < 0:
+      out.append(f"model.logits_soft_cap={self.logits_soft_cap} must be >= 0 (0 disables it)")
+    return out
+
+
+class GatedUpProjection(nnx.Module):
+  """Both MLP branches in one ``[2, D, M]`` weight (the official layout)."""
+
+  def __init__(self, width: int, expanded: int, *, rngs: nnx.Rngs, param_dtype):
+    self.w = layers.param(rngs, layers.fan_in_normal(1.0, in_axis=1), (2, width, expanded),
+                          param_dtype, (None, "embed", "mlp"))
+    self.b = layers.zeros((2, 1, 1, expanded), param_dtype, (None, None, None, "mlp"))
+
+
+class MLPBlock(nnx.Module):
+  """Gated MLP: ``down(gelu(x W_0 + b_0) * (x W_1 + b_1))``, both branches ``D -> M``."""
+
+  def __init__(self, width: int, expanded: int, *, rngs: nnx.Rngs, final_init_scale: float,
+               param_dtype, dtype):
+    self.dtype = dtype
+    self.ffw_up = GatedUpProjection(width, expanded, rngs=rngs, param_dtype=param_dtype)
+    self.ffw_down = layers.Dense(expanded, width, axes=("mlp", "embed"), rngs=rngs,
+                                 init_scale=final_init_scale, param_dtype=param_dtype,
+                                 dtype=dtype)
+
+  def __call__(self, x: Float[Array, "b t d"]) -> Float[Array, "b t d"]:
+    x = x.astype(self.dtype)
+    up = jnp.einsum("btd,cdm->cbtm", x, self.ffw_up.w.value.astype(self.dtype))
+    up = up + self.ffw_up.b.value.astype(self.dtype)
+    return self.ffw_down(jax.nn.gelu(up[0]) * up[1])
+
+
+def make_temporal_block(block_type: str, cfg: ModelConfig, rngs: nnx.Rngs, **kw):
+  """The temporal-mixing block of one layer, by type name."""
+  final = 2.0 / cfg.num_layers
+  if block_type == "recurrent":
+    return recurrent.RecurrentBlock(
+        cfg.width, cfg.resolved_lru_width, cfg.resolved_gate_blocks, rngs=rngs,
+        conv1d_temporal_width=cfg.conv1d_temporal_width, final_init_scale=final,
+        scan_impl=cfg.scan_impl, fused_rg_lru=cfg.fused_rg_lru, **kw)
+  if block_type in ("attention", "global_attention"):
+    window = cfg.attention_window_size if block_type == "attention" else None
+    return attention.MQAttention(cfg.width, cfg.num_heads, window, rngs=rngs,
+                                 final_init_scale=final, **kw)
+  if block_type == "gla":
+    from recurrentgemma_jax import gla  # pylint: disable=g-import-not-at-top
+    return gla.GLABlock(cfg, rngs=rngs, final_init_scale=final, **kw)
+  raise ValueError(f"unknown block type {block_type!r}")
+
+
+# Attribute name of each temporal block type inside a residual block (the official names).
+TEMPORAL_NAMES = {"recurrent": "recurrent_block", "attention": "attention_block",
+                  "global_attention": "attention_block", "gla": "gla_block"}
+
+
+class ResidualBlock(nnx.Module):
+
+  def __init__(self, block_type: str, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    kw = dict(param_dtype=DTYPES[cfg.param_dtype], dtype=DTYPES[cfg.dtype])
+    self.block_type = block_type
+    self.temporal_pre_norm = layers.RMSNorm(cfg.width, param_dtype=kw["param_dtype"])
+    setattr(self, TEMPORAL_NAMES[block_type], make_temporal_block(block_type, cfg, rngs, **kw))
+    self.channel_pre_norm = layers.RMSNorm(cfg.width, param_dtype=kw["param_dtype"])
+    self.mlp_block = MLPBlock(cfg.width, cfg.resolved_mlp_width, rngs=rngs,
+                              final_init_scale=2.0 / cfg.num_layers, **kw)
+
+  def __call__(self, x, segment_pos, cache=None):
+    temporal = getattr(self, TEMPORAL_NAMES[self.block_type])
+    y, cache = temporal(self.temporal_pre_norm(x), segment_pos, cache)
+    x = x + y.astype(x.dtype)
+    x = x + self.mlp_block(self.channel_pre_norm(x)).astype(x.dtype)
+    return x, cache
+
+
+def _block_forward(block: ResidualBlock, x, segment_pos):
+  return block(x, segment_pos)[0]
+
+
+class Model(nnx.Module):
+  """A Griffin / Hawk / MQA / GLA language model."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    errors = cfg.errors()
+    if errors:
+      raise ValueError("; ".join(errors))
+    self.cfg = cfg
+    dtype = DTYPES[cfg.dtype]
+    self.embedder = layers.Embedder(cfg.vocab_size, cfg.width,
+                                    scale_by_sqrt_dim=cfg.embeddings_scale_by_sqrt_dim,
+                                    rngs=rngs, param_dtype=DTYPES[cfg.param_dtype], dtype=dtype)
+    self.blocks = nnx.List([ResidualBlock(t, cfg, rngs=rngs) for t in cfg.resolved_block_types])
+    self.final_norm = layers.RMSNorm(cfg.width, param_dtype=DTYPES[cfg.param_dtype])
+
+  def __call__(
+      self,
+      tokens: Int[Array, "b t"],
+      segment_pos: Int[Array, "b t"],
+  ) -> Float[Array, "b t v"]:
+    """Logits (float32) for the next token at every position; documents packed in a row are
+    kept apart by ``segment_pos`` (0 at each document's first token)."""
+    x = self.embedder.encode(tokens)
+    if self.cfg.remat == "none":
+      forward = _block_forward
+    else:
+      policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+                if self.cfg.remat == "dots" else None)
+      forward = nnx.remat(_block_forward, policy=policy)
+    for block in self.blocks:
+      x = forward(block, x, segment_pos)
+    logits = self.embedder.decode(self.final_norm(x)).astype(jnp.float32)
+    if self.cfg.logits_soft_cap:
+      cap = self.cfg.logits_soft_cap
+      logits = jnp.tanh(logits / cap) * cap
+    return logits
+
+
+def init_model(cfg: ModelConfig, seed: int = 0) -> Model:
+  return Model(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def count_params(cfg: ModelConfig) -> int:
+  """Number of parameters, from shapes only (``jax.eval_shape``: nothing is allocated)."""
+  abstract = nnx.eval_shape(lambda: init_model(cfg))
+  state = nnx.state(abstract, nnx.Param)
+  return sum(int(x.size) for x in jax.tree.leaves(state))

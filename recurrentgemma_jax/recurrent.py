@@ -1,0 +1,143 @@
+"""The RG-LRU (Griffin paper, section 2.4) and the recurrent temporal-mixing block.
+
+RG-LRU, per channel, with ``c = 8`` and ``a = sigmoid(-a_param)`` (official parameter name;
+the paper's ``Lambda`` is ``-a_param``)::
+
+    r_t = sigmoid(W_a x_t + b_a)           recurrence gate (block-diagonal W_a)
+    i_t = sigmoid(W_x x_t + b_x)           input gate      (block-diagonal W_x)
+    log a_t = -c * r_t * softplus(a_param) = c * r_t * log(a)    (log space: no underflow)
+    h_t = a_t * h_{t-1} + sqrt(1 - a_t^2) * (i_t * x_t)
+
+At the first token of a document the state is dropped (``a_t = 0``) and the input is not
+normalised, so packed rows behave as separate sequences.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from recurrentgemma_jax import layers
+from recurrentgemma_jax import scan as scan_lib
+
+# The derivative of sqrt(1 - a^2) blows up as a -> 1; it is clipped at this value (as in the
+# official implementation) so that bfloat16 training never sees inf.
+MAX_SQRT_GRADIENT = 1000.0
+C = 8.0
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def sqrt_bounded_derivative(x: jax.Array, max_gradient: float) -> jax.Array:
+  """``sqrt(x)`` whose derivative is at most ``max_gradient``."""
+  del max_gradient
+  return jnp.sqrt(x)
+
+
+def _sqrt_fwd(x, max_gradient):
+  del max_gradient
+  return jnp.sqrt(x), x
+
+
+def _sqrt_bwd(max_gradient, x, g):
+  x_floor = jnp.maximum(x, 1.0 / (4.0 * max_gradient**2))
+  return (g * 0.5 * jax.lax.rsqrt(x_floor),)
+
+
+sqrt_bounded_derivative.defvjp(_sqrt_fwd, _sqrt_bwd)
+
+
+def a_param_init(min_ac: float = 0.9, max_ac: float = 0.999) -> layers.Initializer:
+  """Initialises ``a_param`` so that ``a^c`` is uniform in ``[min_ac, max_ac]`` (the paper).
+
+  (The official code draws ``a`` itself, not ``a^c``, from a ring; the paper's choice starts
+  with longer memory. Initialisation does not affect checkpoint compatibility.)
+  """
+
+  def init(key, shape, dtype=jnp.float32):
+    ac = jax.random.uniform(key, shape, jnp.float32, min_ac, max_ac)
+    softplus_value = -jnp.log(ac) / C  # softplus(a_param) = -log(a)
+    return jnp.log(jnp.expm1(softplus_value)).astype(dtype)  # softplus^-1
+
+  return init
+
+
+class RGLRU(nnx.Module):
+  """Real-Gated Linear Recurrent Unit over ``width`` channels."""
+
+  def __init__(self, width: int, num_blocks: int, *, rngs: nnx.Rngs, scan_impl: str = "auto",
+               fused: bool = False, param_dtype=jnp.float32, dtype=jnp.float32):
+    self.scan_impl = scan_impl
+    self.fused = fused
+    self.dtype = dtype
+    self.a_param = layers.param(rngs, a_param_init(), (width,), param_dtype, ("lru",))
+    kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+    self.input_gate = layers.BlockDiagonalLinear(width, width, num_blocks, **kw)
+    self.a_gate = layers.BlockDiagonalLinear(width, width, num_blocks, **kw)
+
+  def __call__(
+      self,
+      x: Float[Array, "b t d"],
+      segment_pos: Int[Array, "b t"],
+      h0: Float[Array, "b d"] | None = None,
+  ) -> tuple[Float[Array, "b t d"], Float[Array, "b d"]]:
+    """Returns ``y`` (in the activation dtype) and the last state (float32)."""
+    x = x.astype(self.dtype)
+    reset = segment_pos == 0
+    gate_x_logits = self.input_gate(x)
+    gate_a_logits = self.a_gate(x)
+    if self.fused:
+      import pallas_kernels  # pylint: disable=g-import-not-at-top  (optional kernels)
+      return pallas_kernels.rg_lru(x, gate_x_logits, gate_a_logits, self.a_param.value,
+                                   reset, h0)
+    # The gating arithmetic runs in float32 (a near 1 is not representable in bfloat16);
+    # in float32 this is exactly the official computation.
+    gate_x = jax.nn.sigmoid(gate_x_logits.astype(jnp.float32))
+    gate_a = jax.nn.sigmoid(gate_a_logits.astype(jnp.float32))
+    log_a = -C * gate_a * jax.nn.softplus(self.a_param.value.astype(jnp.float32))
+    a = jnp.exp(log_a)
+    multiplier = sqrt_bounded_derivative(1.0 - jnp.exp(2.0 * log_a), MAX_SQRT_GRADIENT)
+    multiplier = jnp.where(reset[..., None], 1.0, multiplier)
+    normalized_x = (x.astype(jnp.float32) * gate_x * multiplier).astype(x.dtype)
+    a = jnp.where(reset[..., None], 0.0, a)
+    return scan_lib.linear_scan(normalized_x, a, h0, impl=self.scan_impl)
+
+
+class RecurrentCache(NamedTuple):
+  """Decoding state of a recurrent block: constant size, whatever the sequence length."""
+
+  rg_lru_state: Float[Array, "b e"]   # float32
+  conv1d_state: Float[Array, "b w e"]  # the last temporal_width - 1 inputs of the Conv1D
+
+
+class RecurrentBlock(nnx.Module):
+  """Two branches from ``width`` to ``lru_width``: Conv1D then RG-LRU, and GeLU; their
+  product projected back to ``width``."""
+
+  def __init__(self, width: int, lru_width: int, num_blocks: int, *, rngs: nnx.Rngs,
+               conv1d_temporal_width: int = 4, final_init_scale: float = 1.0,
+               scan_impl: str = "auto", fused_rg_lru: bool = False,
+               param_dtype=jnp.float32, dtype=jnp.float32):
+    kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+    self.linear_y = layers.Dense(width, lru_width, axes=("embed", "lru"), **kw)
+    self.linear_x = layers.Dense(width, lru_width, axes=("embed", "lru"), **kw)
+    self.linear_out = layers.Dense(lru_width, width, axes=("lru", "embed"),
+                                   init_scale=final_init_scale, **kw)
+    self.conv_1d = layers.Conv1D(lru_width, conv1d_temporal_width, **kw)
+    self.rg_lru = RGLRU(lru_width, num_blocks, scan_impl=scan_impl, fused=fused_rg_lru, **kw)
+
+  def __call__(
+      self,
+      x: Float[Array, "b t d"],
+      segment_pos: Int[Array, "b t"],
+      cache: RecurrentCache | None = None,
+  ) -> tuple[Float[Array, "b t d"], RecurrentCache]:
+    y = jax.nn.gelu(self.linear_y(x))
+    x = self.linear_x(x)
+    x, conv_state = self.conv_1d(x, segment_pos, None if cache is None else cache.conv1d_state)
+    x, h_last = self.rg_lru(x, segment_pos, None if cache is None else cache.rg_lru_state)
+    return self.linear_out(x * y), RecurrentCache(h_last, conv_state)

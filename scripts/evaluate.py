@@ -1,0 +1,50 @@
+"""Per-token negative log-likelihood of token sequences under a checkpoint.
+
+  python scripts/evaluate.py --checkpoint DIR --tokens IN.npy --nll_out OUT.npy [--dtype float32]
+
+``IN.npy``: int32 ``[N, T]`` token ids, one sequence per row. ``OUT.npy``: float32 ``[N, T-1]``,
+the NLL (nats) of ``tokens[:, t+1]`` given ``tokens[:, :t+1]``. Prints the mean NLL and the
+perplexity. ``DIR`` is an imported checkpoint or a training workdir (its latest checkpoint).
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from recurrentgemma_jax import cli  # pylint: disable=g-import-not-at-top
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--checkpoint", required=True)
+  parser.add_argument("--tokens", required=True, help="int32 [N, T] .npy file")
+  parser.add_argument("--nll_out", required=True, help="float32 [N, T-1] .npy output")
+  parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                      help="activation dtype of the forward pass")
+  parser.add_argument("--batch_size", type=int, default=8, help="rows per forward pass")
+  args = parser.parse_args(argv)
+
+  with cli.user_errors():
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    from recurrentgemma_jax import checkpoint, evaluation  # pylint: disable=g-import-not-at-top
+    from recurrentgemma_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
+    tokens = evaluation.read_tokens(args.tokens)
+    if args.batch_size <= 0:
+      raise ConfigError(f"--batch_size={args.batch_size} must be positive")
+    model, _ = checkpoint.load_model(args.checkpoint, dtype=args.dtype)
+    if tokens.max() >= model.cfg.vocab_size:
+      raise ConfigError(f"--tokens {args.tokens!r} has token id {int(tokens.max())} but the "
+                        f"model's vocabulary has {model.cfg.vocab_size} ids")
+    nll = evaluation.token_nll(model, tokens, batch_size=args.batch_size)
+    os.makedirs(os.path.dirname(os.path.abspath(args.nll_out)), exist_ok=True)
+    np.save(args.nll_out, nll)
+    mean = float(nll.mean())
+    print(f"mean NLL {mean:.6f} nats/token, perplexity {np.exp(mean):.4f} "
+          f"over {nll.size} tokens -> {args.nll_out}")
+
+
+if __name__ == "__main__":
+  main()
