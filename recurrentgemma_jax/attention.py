@@ -74,7 +74,8 @@ class MQAttention(nnx.Module):
     k = apply_rope(k, segment_pos)
     logits = jnp.einsum("btnh,bsh->bnts", q, k[:, :, 0]) * self.head_dim**-0.5
     mask = attention_mask(segment_pos, self.window)
-    logits = jnp.where(mask[:, None], logits, _MASKED).astype(jnp.float32)
+    logits = jnp.where(mask[:, None], logits, _MASKED).astype(
+        layers.accumulation_dtype(x.dtype))
     probs = jax.nn.softmax(logits, axis=-1).astype(x.dtype)
     encoded = jnp.einsum("bnts,bsh->btnh", probs, v[:, :, 0])
     return self.proj_final(encoded.reshape(b, t, -1)), None

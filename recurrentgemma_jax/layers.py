@@ -40,6 +40,11 @@ def param(
   return nnx.Param(value, axes=axes)
 
 
+def accumulation_dtype(dtype) -> jnp.dtype:
+  """Float32, or float64 for float64 inputs (the gradient checks run in float64)."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
 def zeros(shape: Sequence[int], dtype: jnp.dtype, axes: tuple[str | None, ...]) -> nnx.Param:
   assert len(axes) == len(shape), (shape, axes)
   return nnx.Param(jnp.zeros(tuple(shape), dtype), axes=axes)
@@ -54,10 +59,11 @@ class RMSNorm(nnx.Module):
     self.scale = zeros((width,), param_dtype, (axis_name,))
 
   def __call__(self, x: Float[Array, "*b d"]) -> Float[Array, "*b d"]:
-    x32 = x.astype(jnp.float32)
+    acc = accumulation_dtype(x.dtype)
+    x32 = x.astype(acc)
     var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
     normed = x32 * jax.lax.rsqrt(var + self.eps)
-    return (normed * (self.scale.value.astype(jnp.float32) + 1.0)).astype(x.dtype)
+    return (normed * (self.scale.value.astype(acc) + 1.0)).astype(x.dtype)
 
 
 class Dense(nnx.Module):

@@ -23,7 +23,7 @@ from recurrentgemma_jax import recurrent
 FAMILIES = ("griffin", "hawk", "mqa", "gla")
 BLOCK_TYPES = ("recurrent", "attention", "global_attention", "gla")
 REMAT_POLICIES = ("none", "block", "dots")
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
 
 # The repeated unit of each family's block pattern.
 FAMILY_PATTERNS = {
@@ -139,9 +139,9 @@ class ModelConfig:
           out.append(f"model.{name}={expand}: width*{expand}={dim} is not a positive "
                      f"multiple of the {heads} GLA heads")
     if self.param_dtype not in DTYPES:
-      out.append(f"model.param_dtype={self.param_dtype!r} is not one of float32|bfloat16")
+      out.append(f"model.param_dtype={self.param_dtype!r} is not one of {'|'.join(DTYPES)}")
     if self.dtype not in DTYPES:
-      out.append(f"model.dtype={self.dtype!r} is not one of float32|bfloat16")
+      out.append(f"model.dtype={self.dtype!r} is not one of {'|'.join(DTYPES)}")
     if self.scan_impl not in ("auto", "pallas", "xla_linear", "xla_associative"):
       out.append(f"model.scan_impl={self.scan_impl!r} is not one of "
                  "auto|pallas|xla_linear|xla_associative")
@@ -256,7 +256,8 @@ class Model(nnx.Module):
       forward = nnx.remat(_block_forward, policy=policy)
     for block in self.blocks:
       x = forward(block, x, segment_pos)
-    logits = self.embedder.decode(self.final_norm(x)).astype(jnp.float32)
+    logits = self.embedder.decode(self.final_norm(x))
+    logits = logits.astype(layers.accumulation_dtype(logits.dtype))
     if self.cfg.logits_soft_cap:
       cap = self.cfg.logits_soft_cap
       logits = jnp.tanh(logits / cap) * cap

@@ -96,13 +96,14 @@ class RGLRU(nnx.Module):
                                    reset, h0)
     # The gating arithmetic runs in float32 (a near 1 is not representable in bfloat16);
     # in float32 this is exactly the official computation.
-    gate_x = jax.nn.sigmoid(gate_x_logits.astype(jnp.float32))
-    gate_a = jax.nn.sigmoid(gate_a_logits.astype(jnp.float32))
-    log_a = -C * gate_a * jax.nn.softplus(self.a_param.value.astype(jnp.float32))
+    acc = layers.accumulation_dtype(x.dtype)
+    gate_x = jax.nn.sigmoid(gate_x_logits.astype(acc))
+    gate_a = jax.nn.sigmoid(gate_a_logits.astype(acc))
+    log_a = -C * gate_a * jax.nn.softplus(self.a_param.value.astype(acc))
     a = jnp.exp(log_a)
     multiplier = sqrt_bounded_derivative(1.0 - jnp.exp(2.0 * log_a), MAX_SQRT_GRADIENT)
     multiplier = jnp.where(reset[..., None], 1.0, multiplier)
-    normalized_x = (x.astype(jnp.float32) * gate_x * multiplier).astype(x.dtype)
+    normalized_x = (x.astype(acc) * gate_x * multiplier).astype(x.dtype)
     a = jnp.where(reset[..., None], 0.0, a)
     return scan_lib.linear_scan(normalized_x, a, h0, impl=self.scan_impl)
 

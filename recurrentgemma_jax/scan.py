@@ -47,11 +47,12 @@ def linear_scan(
 
 def sequential_scan(x, a, h0=None):
   """``lax.scan`` over time with a float32 carry (the same arithmetic as the official scan)."""
-  h = jnp.zeros((x.shape[0], x.shape[2]), jnp.float32) if h0 is None else h0
+  acc = jnp.promote_types(x.dtype, jnp.float32)
+  h = jnp.zeros((x.shape[0], x.shape[2]), acc) if h0 is None else h0.astype(acc)
 
   def step(h, xa):
     x_t, a_t = xa
-    h = a_t.astype(jnp.float32) * h + x_t.astype(jnp.float32)
+    h = a_t.astype(acc) * h + x_t.astype(acc)
     return h, h.astype(x.dtype)
 
   h_last, y = jax.lax.scan(step, h, (jnp.swapaxes(x, 0, 1), jnp.swapaxes(a, 0, 1)),
@@ -61,8 +62,9 @@ def sequential_scan(x, a, h0=None):
 
 def associative_scan(x, a, h0=None):
   """Parallel prefix over pairs ``(a, x)`` composed as affine maps, in float32."""
-  x32 = x.astype(jnp.float32)
-  a32 = a.astype(jnp.float32)
+  acc = jnp.promote_types(x.dtype, jnp.float32)
+  x32 = x.astype(acc)
+  a32 = a.astype(acc)
   if h0 is not None:
     x32 = x32.at[:, 0].add(a32[:, 0] * h0)
 
