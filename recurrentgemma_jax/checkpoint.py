@@ -74,6 +74,27 @@ def read_model_config(path: str) -> tuple[model_lib.ModelConfig, dict[str, Any]]
     raise CheckpointError(f"checkpoint {path!r}: cannot read '{MODEL_CONFIG}': {e}") from None
 
 
+def restore_params(path: str, params_abstract: nnx.State, shardings=None) -> nnx.State:
+  """The ``params`` item of a model checkpoint, into the structure of ``params_abstract``
+  (optionally placed with ``shardings``, a State of Shardings of the same structure)."""
+  path = resolve_model_dir(os.path.abspath(path))
+  shardings = nnx.to_pure_dict(shardings) if shardings is not None else None
+  target = nnx.to_pure_dict(params_abstract)
+  target = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), target,
+      shardings if shardings is not None else jax.tree.map(lambda _: None, target))
+  ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+  try:
+    restored = ckptr.restore(path, ocp.args.Composite(
+        **{PARAMS: ocp.args.StandardRestore(target)}))[PARAMS]
+  except Exception as e:  # Orbax raises many types for a damaged or mismatched tree.
+    raise CheckpointError(f"checkpoint {path!r}: cannot restore '{PARAMS}': "
+                          f"{first_line(e)}") from None
+  params = jax.tree.map(lambda x: x, params_abstract)
+  nnx.replace_by_pure_dict(params, restored)
+  return params
+
+
 def load_model(path: str, **overrides) -> tuple[model_lib.Model, dict[str, Any]]:
   """Builds the model of a checkpoint and restores its parameters.
 
@@ -83,16 +104,5 @@ def load_model(path: str, **overrides) -> tuple[model_lib.Model, dict[str, Any]]
   path = resolve_model_dir(os.path.abspath(path))
   cfg, meta = read_model_config(path)
   cfg = dataclasses.replace(cfg, **overrides)
-  abstract = nnx.eval_shape(lambda: model_lib.init_model(cfg))
-  graphdef, abstract_state = nnx.split(abstract)
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                        nnx.to_pure_dict(abstract_state))
-  ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-  try:
-    restored = ckptr.restore(path, ocp.args.Composite(
-        **{PARAMS: ocp.args.StandardRestore(target)}))[PARAMS]
-  except Exception as e:  # Orbax raises many types for a damaged or mismatched tree.
-    raise CheckpointError(f"checkpoint {path!r}: cannot restore '{PARAMS}': "
-                          f"{first_line(e)}") from None
-  nnx.replace_by_pure_dict(abstract_state, restored)
-  return nnx.merge(graphdef, abstract_state), meta
+  graphdef, params_abstract = nnx.split(nnx.eval_shape(lambda: model_lib.init_model(cfg)))
+  return nnx.merge(graphdef, restore_params(path, params_abstract)), meta

@@ -12,11 +12,13 @@ USER_ERRORS = (ConfigError, CheckpointError)
 
 @contextlib.contextmanager
 def user_errors():
-  """Turns a user error into ``error: <one line>`` on stderr and exit status 2."""
+  """Turns a user error into ``error: <line>`` lines on stderr (one per problem), exit 2."""
   try:
     yield
   except USER_ERRORS as e:
-    print(f"error: {first_line(e, limit=1000)}", file=sys.stderr)
+    lines = [line for line in str(e).splitlines() if line.strip()] or [first_line(e)]
+    for line in lines:
+      print(f"error: {line[:1000]}", file=sys.stderr)
     sys.exit(2)
 
 

@@ -1,0 +1,223 @@
+"""Run configs: the base every ``configs/*.py`` file starts from, loading a config file with
+its ``:ARG``, ``--config.FIELD=VALUE`` overrides, and validation before anything compiles.
+
+A config file defines ``get_config(arg=None) -> ml_collections.ConfigDict``. Every error here is
+a :class:`ConfigError` with one line naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import importlib.util
+import os
+
+import ml_collections
+
+from recurrentgemma_jax import data
+from recurrentgemma_jax import model as model_lib
+from recurrentgemma_jax import presets
+from recurrentgemma_jax.errors import ConfigError
+
+SCHEDULES = ("cosine", "constant")
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Fields every config has, with their defaults (a small Griffin on the built-in corpus)."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0                    # Parameter init and data order.
+  c.total_steps = 1000          # Optimizer steps.
+  c.batch_size = 16             # Global batch, in rows of seq_len tokens.
+  c.seq_len = 256               # Tokens per row (documents are packed).
+  c.log_every = 10              # Steps between metrics.jsonl lines.
+  c.eval_every = 200            # Steps between held-out evaluations (0: only at the end).
+  c.checkpoint_every = 200      # Steps between checkpoints (also at the end and on SIGTERM).
+  c.keep_checkpoints = 3        # Most recent checkpoints kept.
+  c.init_from = ""              # A model checkpoint to start from (fine-tuning), e.g. imported.
+  c.zero = 0                    # 0: replicated, 1: optimizer state sharded over data, 3: params too.
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1              # Devices on the data axis (-1: the remaining devices).
+  c.mesh.model = 1              # Devices on the model (tensor-parallel) axis (-1: the remaining).
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.learning_rate = 1e-3   # Peak learning rate.
+  c.optimizer.warmup_steps = 100     # Linear warmup from 0.
+  c.optimizer.schedule = "cosine"    # After warmup: cosine | constant.
+  c.optimizer.final_lr_fraction = 0.1  # Cosine ends at this fraction of the peak.
+  c.optimizer.b1 = 0.9
+  c.optimizer.b2 = 0.95
+  c.optimizer.eps = 1e-8
+  c.optimizer.weight_decay = 0.1     # AdamW; never on norms, biases or the RG-LRU a_param.
+  c.optimizer.decay_embeddings = False  # Whether the embedding table is decayed too.
+  c.optimizer.grad_clip_norm = 1.0   # Global-norm clipping (0: off).
+  c.optimizer.grad_accum_steps = 1   # Micro-batches per step (batch_size must divide by it).
+  c.model = ml_collections.ConfigDict(_model_defaults())
+  c.data = data.default_config()
+  return c
+
+
+def _model_defaults() -> dict:
+  fields = {f.name: f.default for f in dataclasses.fields(model_lib.ModelConfig)}
+  fields["vocab_size"] = 0  # 0: the tokenizer's vocabulary size.
+  fields.update(presets.preset("griffin", "100m"))
+  fields["block_types"] = ""  # Empty: from model.family; else comma-separated block types.
+  fields["lru_width"] = 0      # 0: model.width.
+  fields["mlp_expanded_width"] = 0  # 0: 3 * model.width.
+  fields["num_gate_blocks"] = 0     # 0: model.num_heads.
+  fields["gla_num_heads"] = 0       # 0: model.num_heads.
+  return fields
+
+
+def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> model_lib.ModelConfig:
+  """The ``ModelConfig`` of a run (zeros mean "derived", see ``_model_defaults``)."""
+  fields = config.model.to_dict()
+  for name in ("lru_width", "mlp_expanded_width", "num_gate_blocks", "gla_num_heads"):
+    fields[name] = fields[name] or None
+  blocks = fields["block_types"]
+  fields["block_types"] = tuple(b.strip() for b in blocks.split(",")) if blocks else None
+  fields["vocab_size"] = fields["vocab_size"] or vocab_size
+  return model_lib.ModelConfig.from_dict(fields)
+
+
+def load(spec: str) -> ml_collections.ConfigDict:
+  """``path/to/config.py[:ARG]`` -> the ConfigDict of its ``get_config(ARG)``."""
+  path, _, arg = spec.partition(":")
+  if not os.path.isfile(path):
+    raise ConfigError(f"--config {path!r} does not exist")
+  module_spec = importlib.util.spec_from_file_location(
+      "config_" + os.path.basename(path).removesuffix(".py"), path)
+  module = importlib.util.module_from_spec(module_spec)
+  try:
+    module_spec.loader.exec_module(module)
+  except Exception as e:  # A config file is user code: report its error in one line.
+    raise ConfigError(f"--config {path!r} failed to load: {type(e).__name__}: {e}") from None
+  if not hasattr(module, "get_config"):
+    raise ConfigError(f"--config {path!r} defines no get_config(arg=None)")
+  try:
+    return module.get_config(arg or None)
+  except (KeyError, ValueError, ConfigError) as e:
+    raise ConfigError(f"--config {spec!r}: {e.args[0] if e.args else e}") from None
+
+
+def override(config: ml_collections.ConfigDict, assignments: list[str]) -> None:
+  """Applies ``--config.FIELD=VALUE`` (or ``FIELD=VALUE``) in order; unknown fields are errors."""
+  for item in assignments:
+    key, sep, raw = item.removeprefix("--").removeprefix("config.").partition("=")
+    if not sep:
+      raise ConfigError(f"override {item!r} is not of the form --config.FIELD=VALUE")
+    parent, name = _resolve(config, key)
+    old = parent[name]
+    parent[name] = _parse(key, raw, old)
+
+
+def _resolve(config, key: str):
+  parts = key.split(".")
+  node = config
+  for i, part in enumerate(parts):
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      known = sorted(_all_fields(config))
+      prefix = ".".join(parts[:i + 1])
+      guess = difflib.get_close_matches(key, known, n=1)
+      hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+      raise ConfigError(f"unknown config field {prefix!r} in --config.{key}{hint}")
+    if i == len(parts) - 1:
+      if isinstance(node[part], ml_collections.ConfigDict):
+        raise ConfigError(f"--config.{key} is a group of fields; set one of its fields")
+      return node, part
+    node = node[part]
+
+
+def _all_fields(config, prefix=""):
+  for k, v in config.items():
+    if isinstance(v, ml_collections.ConfigDict):
+      yield from _all_fields(v, f"{prefix}{k}.")
+    else:
+      yield prefix + k
+
+
+def _parse(key: str, raw: str, old):
+  """Parses ``raw`` as the type of the field's current value."""
+  try:
+    if isinstance(old, bool):
+      lowered = raw.lower()
+      if lowered not in ("true", "false", "1", "0"):
+        raise ValueError
+      return lowered in ("true", "1")
+    if isinstance(old, int):
+      return int(raw)
+    if isinstance(old, float):
+      return float(raw)
+    if isinstance(old, str):
+      return raw
+    return ast.literal_eval(raw)
+  except (ValueError, SyntaxError):
+    kind = type(old).__name__
+    raise ConfigError(f"--config.{key}={raw!r} is not a valid {kind}") from None
+
+
+def validate(config: ml_collections.ConfigDict, *, process_count: int = 1,
+             device_count: int = 1) -> None:
+  """Raises one ConfigError listing every problem (one per line) before anything compiles."""
+  errors = []
+
+  def positive(name, value):
+    if not isinstance(value, int) or value <= 0:
+      errors.append(f"{name}={value!r} must be a positive integer")
+
+  for name in ("total_steps", "batch_size", "seq_len", "log_every", "checkpoint_every",
+               "keep_checkpoints"):
+    positive(name, config[name])
+  if not isinstance(config.eval_every, int) or config.eval_every < 0:
+    errors.append(f"eval_every={config.eval_every!r} must be >= 0 (0: only at the end)")
+  if config.zero not in (0, 1, 3):
+    errors.append(f"zero={config.zero!r} is not one of 0|1|3")
+  opt = config.optimizer
+  if not opt.learning_rate > 0:
+    errors.append(f"optimizer.learning_rate={opt.learning_rate} must be > 0")
+  if opt.warmup_steps < 0:
+    errors.append(f"optimizer.warmup_steps={opt.warmup_steps} must be >= 0")
+  if opt.schedule not in SCHEDULES:
+    errors.append(f"optimizer.schedule={opt.schedule!r} is not one of {'|'.join(SCHEDULES)}")
+  if not 0 <= opt.final_lr_fraction <= 1:
+    errors.append(f"optimizer.final_lr_fraction={opt.final_lr_fraction} must be in [0, 1]")
+  if opt.weight_decay < 0 or opt.grad_clip_norm < 0:
+    errors.append("optimizer.weight_decay and optimizer.grad_clip_norm must be >= 0")
+  positive("optimizer.grad_accum_steps", opt.grad_accum_steps)
+  if (isinstance(config.batch_size, int) and config.batch_size > 0
+      and opt.grad_accum_steps > 0 and config.batch_size % (process_count * opt.grad_accum_steps)):
+    errors.append(f"batch_size={config.batch_size} must be divisible by processes x "
+                  f"optimizer.grad_accum_steps = {process_count * opt.grad_accum_steps}")
+  errors += _mesh_errors(config.mesh, device_count)
+  if config.init_from and not os.path.exists(config.init_from):
+    errors.append(f"init_from={config.init_from!r} does not exist")
+  errors += data.validate(config, process_count=process_count)
+  if not errors:  # the model needs a valid tokenizer for its vocabulary size
+    try:
+      vocab = data.make_tokenizer(config).vocab_size
+    except ConfigError as e:
+      errors.append(str(e))
+    else:
+      cfg = model_config(config, vocab)
+      errors += cfg.errors()
+      if not errors and cfg.vocab_size < vocab:
+        errors.append(f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
+                      f"{vocab} ids")
+  if errors:
+    raise ConfigError("\n".join(errors))
+
+
+def _mesh_errors(mesh, device_count: int) -> list[str]:
+  sizes = {"data": mesh.data, "model": mesh.model}
+  for name, size in sizes.items():
+    if not isinstance(size, int) or (size <= 0 and size != -1):
+      return [f"mesh.{name}={size!r} must be a positive integer or -1"]
+  if mesh.data == -1 and mesh.model == -1:
+    return ["mesh.data and mesh.model cannot both be -1"]
+  fixed = max(mesh.data, 1) * max(mesh.model, 1)
+  if device_count % fixed:
+    return [f"mesh.data={mesh.data} x mesh.model={mesh.model} does not divide the "
+            f"{device_count} devices"]
+  if -1 not in (mesh.data, mesh.model) and fixed != device_count:
+    return [f"mesh.data={mesh.data} x mesh.model={mesh.model} = {fixed} but there are "
+            f"{device_count} devices (use -1 for the remaining)"]
+  return []

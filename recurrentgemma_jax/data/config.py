@@ -1,0 +1,195 @@
+"""``config.data``: its defaults and the checks that run before any data is read."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import ml_collections
+
+from recurrentgemma_jax.data import sources, synthetic, tokenizers
+from recurrentgemma_jax.errors import ConfigError, first_line
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """The ``config.data`` sub-config."""
+  c = ml_collections.ConfigDict()
+  # builtin | text | jsonl | parquet | tfds | synthetic (see sources.py and synthetic.py).
+  c.source = "builtin"
+  c.paths = ""  # text/jsonl/parquet: comma-separated files or glob patterns (** recurses).
+  c.eval_paths = ""  # Held-out files; empty: hold out eval_fraction of the documents by hash.
+  c.eval_fraction = 0.05  # builtin/text/jsonl/parquet without eval_paths: share held out.
+  c.text_field = "text"  # The JSONL key, Parquet column or TFDS feature holding the text.
+  c.tfds_name = ""  # tfds: dataset name, e.g. "c4/en:3.1.0".
+  c.tfds_data_dir = ""  # tfds: folder or bucket of the prepared dataset; empty: TFDS's default.
+  c.tfds_train_split = "train"  # tfds: training split.
+  c.tfds_eval_split = "validation"  # tfds: held-out split.
+  # "byte" (ids: 0 pad, 1 bos, 2 eos, byte b is b + 3; vocab 259) or a SentencePiece .model path.
+  c.tokenizer = "byte"
+  c.shuffle = True  # Shuffle documents (a new order each epoch, seeded by config.seed).
+  c.eval_batches = 8  # Batches that make_eval_batches returns.
+  c.read_threads = 4  # Threads reading and tokenizing documents ahead of the training step.
+  c.synthetic = ml_collections.ConfigDict()
+  c.synthetic.task = "selective_copying"  # selective_copying | induction_heads (paper 6.2).
+  c.synthetic.vocab_size = 16  # Data symbols; the model's vocabulary adds 5 special ids.
+  c.synthetic.num_tokens_to_copy = 16  # selective_copying: data tokens to copy.
+  c.synthetic.eval_seq_len = 0  # Eval sequence length (extrapolation); 0: config.seq_len.
+  return c
+
+
+def _check_local_files(data) -> list[str]:
+  errors = []
+  for name in ("paths", "eval_paths"):
+    patterns = sources.split_patterns(data[name])
+    if name == "paths" and not patterns:
+      errors.append(
+          f"data.paths is empty; data.source={data.source!r} needs files or glob patterns"
+      )
+    errors += [f"data.{name}={p!r} matches no file" for p in patterns if not sources.expand([p])]
+  if errors or data.source == "text":
+    return errors
+  first = sources.expand(sources.split_patterns(data.paths))[0]
+  if data.source == "jsonl":
+    errors += _check_jsonl_field(first, data.text_field)
+  else:
+    errors += _check_parquet_field(first, data.text_field)
+  return errors
+
+
+def _check_jsonl_field(path: str, field: str) -> list[str]:
+  with open(path, "rb") as f:
+    line = next((line for line in f if line.strip()), None)
+  if line is None:
+    return [f"data.paths: {path!r} has no JSON line"]
+  try:
+    record = json.loads(line)
+  except json.JSONDecodeError as e:
+    return [f"data.paths: the first line of {path!r} is not JSON: {e}"]
+  if not isinstance(record, dict) or not isinstance(record.get(field), str):
+    keys = sorted(record) if isinstance(record, dict) else []
+    return [
+        f"data.text_field={field!r} is not a text key of {path!r}; its first record has {keys}"
+    ]
+  return []
+
+
+def _check_parquet_field(path: str, field: str) -> list[str]:
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+
+  try:
+    schema = pq.read_schema(path)
+  except (OSError, pa.ArrowException) as e:
+    return [f"data.paths: {path!r} cannot be read as Parquet: {e}"]
+  text_columns = [
+      f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)
+  ]
+  if field not in text_columns:
+    return [
+        f"data.text_field={field!r} is not a string column of {path!r}; they are {text_columns}"
+    ]
+  return []
+
+
+def _check_tfds(data) -> list[str]:
+  if not data.tfds_name:
+    return ["data.tfds_name is empty; data.source='tfds' needs a name such as 'c4/en:3.1.0'"]
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+  try:
+    info = tfds.builder(data.tfds_name, data_dir=data.tfds_data_dir or None).info
+  except Exception as e:  # pylint: disable=broad-except  (tfds raises many types, all "unusable")
+    return [
+        f"data.tfds_name={data.tfds_name!r} cannot be opened in"
+        f" data.tfds_data_dir={data.tfds_data_dir!r}: {first_line(e)}"
+    ]
+  errors = []
+  for field in ("tfds_train_split", "tfds_eval_split"):
+    if data[field] not in info.splits:
+      errors.append(
+          f"data.{field}={data[field]!r} is not a prepared split of {data.tfds_name}:"
+          f" {sorted(info.splits)}"
+      )
+  if data.text_field not in info.features:
+    errors.append(
+        f"data.text_field={data.text_field!r} is not a feature of {data.tfds_name}:"
+        f" {sorted(info.features)}"
+    )
+  return errors
+
+
+def _check_synthetic(config) -> list[str]:
+  task = config.data.synthetic
+  if task.task not in synthetic.TASKS:
+    return [f"data.synthetic.task={task.task!r} is not one of {'|'.join(synthetic.TASKS)}"]
+  errors = []
+  if task.vocab_size < 2:
+    errors.append(f"data.synthetic.vocab_size={task.vocab_size} must be at least 2")
+  if task.num_tokens_to_copy < 1:
+    errors.append(f"data.synthetic.num_tokens_to_copy={task.num_tokens_to_copy} must be positive")
+  shortest = synthetic.min_seq_len(task)
+  if config.seq_len > 0 and config.seq_len < shortest:
+    errors.append(
+        f"seq_len={config.seq_len} is too short for data.synthetic.task={task.task!r}:"
+        f" it must be at least {shortest}"
+    )
+  if task.eval_seq_len and task.eval_seq_len < shortest:
+    errors.append(
+        f"data.synthetic.eval_seq_len={task.eval_seq_len} must be 0 or at least {shortest}"
+    )
+  return errors
+
+
+def validate(config, *, process_count: int | None = None) -> list[str]:
+  """One-line messages for the bad data fields of the run ``config`` (empty when all are usable).
+
+  Reads at most one record and the tokenizer file. ``process_count`` defaults to
+  ``jax.process_count()``.
+  """
+  if process_count is None:
+    import jax  # pylint: disable=g-import-not-at-top  (only to count processes)
+
+    process_count = jax.process_count()
+  data = config.data
+  errors = []
+  for name in ("seq_len", "batch_size"):
+    if config[name] <= 0:
+      errors.append(f"{name}={config[name]} must be positive")
+  if config.batch_size > 0 and config.batch_size % process_count:
+    errors.append(
+        f"batch_size={config.batch_size} is not divisible by the {process_count} processes"
+    )
+  if data.eval_batches < 0:
+    errors.append(f"data.eval_batches={data.eval_batches} must be 0 or more")
+  if data.read_threads < 1:
+    errors.append(f"data.read_threads={data.read_threads} must be positive")
+  if data.source not in sources.SOURCES:
+    return errors + [f"data.source={data.source!r} is not one of {'|'.join(sources.SOURCES)}"]
+  if data.source == "synthetic":
+    return errors + _check_synthetic(config)
+  uses_fraction = not (data.source in sources.LOCAL_SOURCES and data.eval_paths)
+  if uses_fraction and not 0 < data.eval_fraction < 1:
+    errors.append(f"data.eval_fraction={data.eval_fraction} must be between 0 and 1")
+  if data.source in sources.LOCAL_SOURCES:
+    errors += _check_local_files(data)
+  elif data.source == "tfds":
+    errors += _check_tfds(data)
+  if data.tokenizer != "byte":
+    path = os.path.expanduser(data.tokenizer)
+    if not os.path.isfile(path):
+      errors.append(
+          f"data.tokenizer={data.tokenizer!r} is neither 'byte' nor a SentencePiece .model file"
+      )
+    else:
+      try:
+        tokenizers.make_tokenizer(config)
+      except ConfigError as e:
+        errors.append(str(e))
+  return errors
+
+
+def raise_if_invalid(config, *, process_count: int) -> None:
+  """Raises ``ConfigError`` with the messages of ``validate``."""
+  errors = validate(config, process_count=process_count)
+  if errors:
+    raise ConfigError("; ".join(errors))

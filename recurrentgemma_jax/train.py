@@ -1,0 +1,358 @@
+"""The training job, top to bottom: set-up, the jitted step, the loop, checkpoints, metrics.
+
+``scripts/train.py`` parses the command line and calls :func:`run`. A step is
+:func:`make_train_step`; where each parameter lives is ``sharding/partitioning.py``; which scan
+runs is ``scan.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from recurrentgemma_jax import checkpoint as ckpt_lib
+from recurrentgemma_jax import configlib, data, flops
+from recurrentgemma_jax import model as model_lib
+from recurrentgemma_jax.errors import ConfigError, first_line
+from sharding import distributed, partitioning
+
+# Parameters that are never weight-decayed: norm scales, biases and the RG-LRU's a_param.
+_NO_DECAY = ("scale", "bias", "b", "a_param")
+
+
+class NonFiniteLoss(RuntimeError):
+  pass
+
+
+def make_optimizer(opt: ml_collections.ConfigDict, total_steps: int):
+  """AdamW with warmup + cosine (or constant) and global-norm clipping; returns (tx, schedule)."""
+  warmup = min(opt.warmup_steps, total_steps)
+  if opt.schedule == "cosine":
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, opt.learning_rate, warmup, max(total_steps, warmup + 1),
+        end_value=opt.learning_rate * opt.final_lr_fraction)
+  else:
+    schedule = optax.join_schedules(
+        [optax.linear_schedule(0.0, opt.learning_rate, max(warmup, 1)),
+         optax.constant_schedule(opt.learning_rate)], [warmup])
+
+  def decay_mask(tree):
+    def keep(path, _):
+      name = [p.key for p in path if isinstance(p, jax.tree_util.DictKey)][-1]
+      if name == "input_embedding":
+        return opt.decay_embeddings
+      return name not in _NO_DECAY
+    return jax.tree_util.tree_map_with_path(keep, tree)
+
+  chain = [optax.clip_by_global_norm(opt.grad_clip_norm)] if opt.grad_clip_norm else []
+  chain.append(optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                           weight_decay=opt.weight_decay, mask=decay_mask))
+  return optax.chain(*chain), schedule
+
+
+def masked_cross_entropy(logits, targets, mask):
+  """Sum of the token losses where ``mask`` is 1, and the number of such tokens."""
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+  return jnp.sum(losses * mask), jnp.sum(mask)
+
+
+def make_train_step(graphdef, tx, schedule, accum_steps: int):
+  """``(state, batch) -> (state, metrics)``; the batch is split into ``accum_steps``
+  micro-batches whose gradients are summed before one optimizer update."""
+
+  def loss_sum(params, micro):
+    model = nnx.merge(graphdef, params)
+    logits = model(micro["inputs"], micro["segment_pos"])
+    return masked_cross_entropy(logits, micro["targets"], micro["loss_mask"])
+
+  grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+
+  def step(state, batch):
+    params = state["params"]
+    micro = jax.tree.map(lambda x: x.reshape(accum_steps, -1, *x.shape[1:]), batch)
+
+    def accumulate(carry, mb):
+      (loss, count), grads = grad_fn(params, mb)
+      acc_loss, acc_count, acc_grads = carry
+      return (acc_loss + loss, acc_count + count,
+              jax.tree.map(jnp.add, acc_grads, grads)), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    (loss, count, grads), _ = jax.lax.scan(accumulate, (0.0, 0.0, zeros), micro)
+    count = jnp.maximum(count, 1.0)
+    grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, params)
+    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
+                 "opt_state": opt_state}
+    metrics = {"loss": loss / count, "grad_norm": optax.global_norm(grads),
+               "lr": schedule(state["step"]), "tokens": count}
+    return new_state, metrics
+
+  return step
+
+
+def make_eval_step(graphdef):
+  def step(params, batch):
+    model = nnx.merge(graphdef, params)
+    logits = model(batch["inputs"], batch["segment_pos"])
+    return masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+  return step
+
+
+class MetricsWriter:
+  """``metrics.jsonl`` (one JSON object per logged step), TensorBoard, and the terminal."""
+
+  def __init__(self, workdir: str, resume_step: int, total_steps: int):
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self.total_steps = total_steps
+    self.tty = sys.stdout.isatty()
+    if os.path.exists(self.path):  # drop lines the resumed run will log again
+      with open(self.path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+      with open(self.path + ".tmp", "w") as f:
+        f.writelines(kept)
+      os.replace(self.path + ".tmp", self.path)
+    self.tb = None
+    if jax.process_index() == 0:
+      try:
+        from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+        self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      except ImportError:
+        pass
+
+  def write(self, record: dict[str, Any], progress: str | None = None) -> None:
+    if jax.process_index() != 0:
+      return
+    with open(self.path, "a") as f:
+      f.write(json.dumps(record) + "\n")
+    if self.tb is not None:
+      for key, value in record.items():
+        if key != "step" and isinstance(value, (int, float)) and value is not None:
+          self.tb.add_scalar(key, value, record["step"])
+      self.tb.flush()
+    if progress:
+      if self.tty:
+        print("\r\033[K" + progress, end="", flush=True)
+      else:
+        print(progress, flush=True)
+
+  def message(self, text: str) -> None:
+    if jax.process_index() == 0:
+      print(("\n" if self.tty else "") + text, flush=True)
+
+
+class Checkpoints:
+  """Orbax CheckpointManager over ``WORKDIR/checkpoints``: asynchronous saves of the params,
+  optimizer state, model config and data position; restores skip unreadable checkpoints."""
+
+  ITEMS = ("params", "opt_state", "model_config", "data", "meta")
+
+  def __init__(self, workdir: str, keep: int):
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    self.ocp = ocp
+    self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    self.manager = ocp.CheckpointManager(
+        self.directory, item_names=self.ITEMS,
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                             enable_async_checkpointing=True))
+
+  def save(self, step: int, state, model_cfg, data_state, meta) -> None:
+    ocp = self.ocp
+    config_json = dataclasses.asdict(model_cfg) | {"tokenizer": meta.get("tokenizer")}
+    self.manager.save(step, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(nnx.to_pure_dict(state["params"])),
+        opt_state=ocp.args.StandardSave(state["opt_state"]),
+        model_config=ocp.args.JsonSave(config_json),
+        data=ocp.args.JsonSave(data_state),
+        meta=ocp.args.JsonSave(meta | {"step": step})))
+
+  def restore_latest(self, abstract_state, log) -> tuple[Any, Any] | None:
+    """The newest readable ``(state, data_state)``; unreadable ones are moved aside."""
+    ocp = self.ocp
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      params_target = nnx.to_pure_dict(abstract_state["params"])
+      try:
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(params_target),
+            opt_state=ocp.args.StandardRestore(abstract_state["opt_state"]),
+            data=ocp.args.JsonRestore()))
+      except Exception as e:  # pylint: disable=broad-except  (any damage: try the previous one)
+        aside = os.path.join(self.directory, f"{step}.unreadable-{int(time.time())}")
+        log(f"warning: checkpoint step {step} is unreadable ({first_line(e, 200)}); "
+            f"moved to {aside}, trying the previous one")
+        if jax.process_index() == 0:
+          os.rename(os.path.join(self.directory, str(step)), aside)
+        self.manager.reload()
+        continue
+      params = jax.tree.map(lambda x: x, abstract_state["params"])
+      nnx.replace_by_pure_dict(params, restored["params"])
+      state = {"step": jnp.asarray(step, jnp.int32), "params": params,
+               "opt_state": restored["opt_state"]}
+      return state, restored["data"]
+    return None
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+
+def _place(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
+  """The process-local rows -> one global array per field, split over ``data``."""
+  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Trains (or resumes) according to ``config``; returns the last logged metrics."""
+  distributed.initialize()
+  configlib.validate(config, process_count=jax.process_count(), device_count=jax.device_count())
+  os.makedirs(workdir, exist_ok=True)
+  tokenizer = data.make_tokenizer(config)
+  model_cfg = configlib.model_config(config, tokenizer.vocab_size)
+  mesh = partitioning.make_mesh(config.mesh.data, config.mesh.model)
+  if config.batch_size % mesh.shape[partitioning.DATA]:
+    raise ConfigError(f"batch_size={config.batch_size} is not divisible by the "
+                      f"{mesh.shape[partitioning.DATA]} devices on the data axis")
+
+  # Shapes and shardings first; nothing is allocated until the jitted init.
+  model_abstract = nnx.eval_shape(lambda: model_lib.init_model(model_cfg, config.seed))
+  graphdef, params_abstract = nnx.split(model_abstract)
+  tx, schedule = make_optimizer(config.optimizer, config.total_steps)
+  opt_abstract = jax.eval_shape(tx.init, params_abstract)
+  param_sh = partitioning.param_shardings(model_abstract, mesh, zero=config.zero)
+  opt_sh = partitioning.opt_state_shardings(tx, opt_abstract, model_abstract, mesh,
+                                            zero=config.zero)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  state_sh = {"step": replicated, "params": param_sh, "opt_state": opt_sh}
+  abstract_state = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params_abstract,
+       "opt_state": opt_abstract}, state_sh)
+
+  log = print if jax.process_index() == 0 else (lambda *_: None)
+  checkpoints = Checkpoints(workdir, config.keep_checkpoints)
+  restored = checkpoints.restore_latest(abstract_state, log)
+  train_iter = data.make_train_iterator(config, process_index=jax.process_index(),
+                                        process_count=jax.process_count())
+  if restored is not None:
+    state, data_state = restored
+    train_iter.set_state(data_state)
+    start = int(state["step"])
+    log(f"resuming from {checkpoints.directory}/{start}")
+  else:
+    state = _initial_state(config, model_cfg, params_abstract, tx, state_sh)
+    start = 0
+
+  n_params = sum(x.size for x in jax.tree.leaves(params_abstract))
+  flops_per_token = flops.train_flops_per_token(model_cfg, config.seq_len)
+  peak = flops.device_peak_flops()
+  writer = MetricsWriter(workdir, start, config.total_steps)
+  writer.message(
+      f"{model_cfg.family} model: {n_params / 1e6:.2f}M parameters, "
+      f"{len(model_cfg.resolved_block_types)} blocks; mesh data={mesh.shape['data']} "
+      f"model={mesh.shape['model']} on {jax.device_count()} {jax.devices()[0].device_kind}; "
+      f"step {start} of {config.total_steps}")
+
+  batch_sh = partitioning.batch_sharding(mesh)
+  train_step = jax.jit(make_train_step(graphdef, tx, schedule, config.optimizer.grad_accum_steps),
+                       in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
+                       donate_argnums=0)
+  eval_step = jax.jit(make_eval_step(graphdef), in_shardings=(param_sh, batch_sh),
+                      out_shardings=replicated)
+  eval_batches = data.make_eval_batches(config, process_index=jax.process_index(),
+                                        process_count=jax.process_count())
+
+  def evaluate(step: int) -> dict[str, Any]:
+    total, count = 0.0, 0.0
+    for batch in eval_batches:
+      loss_sum, n = eval_step(state["params"], _place(batch, batch_sh))
+      total, count = total + float(loss_sum), count + float(n)
+    mean = total / max(count, 1.0)
+    record = {"step": step, "eval_loss": mean, "eval_perplexity": math.exp(min(mean, 50.0))}
+    writer.write(record)
+    writer.message(f"step {step}: eval loss {mean:.4f}, perplexity {record['eval_perplexity']:.2f}")
+    return record
+
+  meta = {"tokenizer": config.data.tokenizer, "config": config.to_json()}
+  last_good = start
+
+  def save(step: int) -> None:
+    checkpoints.save(step, state, model_cfg, train_iter.get_state(), meta)
+
+  stop = {"signal": None}
+  previous = signal.signal(signal.SIGTERM, lambda signum, _: stop.update(signal=signum))
+  pending: list[tuple[int, dict]] = []
+  last_record: dict[str, Any] = {}
+  interval_start, interval_steps = time.perf_counter(), 0
+  try:
+    for step in range(start + 1, config.total_steps + 1):
+      batch = _place(next(train_iter), batch_sh)
+      state, metrics = train_step(state, batch)
+      pending.append((step, metrics))
+      interval_steps += 1
+      at_checkpoint = step % config.checkpoint_every == 0 or step == config.total_steps
+      if step % config.log_every == 0 or at_checkpoint or stop["signal"]:
+        # The only host syncs: here, every log_every steps, and at checkpoints.
+        host = jax.device_get(pending)
+        pending.clear()
+        for s, m in host:
+          if not np.isfinite(m["loss"]):
+            raise NonFiniteLoss(
+                f"loss is {m['loss']} at step {s}; stopping. The last good checkpoint is step "
+                f"{last_good} in {checkpoints.directory}")
+        elapsed = time.perf_counter() - interval_start
+        step_time = elapsed / interval_steps
+        tokens_per_sec = config.batch_size * config.seq_len / step_time
+        m = host[-1][1]
+        last_record = {
+            "step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+            "lr": float(m["lr"]), "tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
+            "mfu": (flops_per_token * tokens_per_sec / (peak * jax.device_count())
+                    if peak else None)}
+        eta = (config.total_steps - step) * step_time
+        writer.write(last_record, progress=(
+            f"step {step}/{config.total_steps}  loss {last_record['loss']:.4f}  "
+            f"{tokens_per_sec:,.0f} tok/s  ETA {int(eta // 60)}m{int(eta % 60):02d}s"))
+        interval_start, interval_steps = time.perf_counter(), 0
+      if at_checkpoint or stop["signal"]:
+        save(step)
+        last_good = step
+      if (config.eval_every and step % config.eval_every == 0) or step == config.total_steps:
+        evaluate(step)
+      if interval_steps == 0:  # keep evaluation and saving out of the step timing
+        interval_start = time.perf_counter()
+      if stop["signal"]:
+        checkpoints.wait()
+        writer.message(f"stopped by signal {stop['signal']} after saving step {step}")
+        return last_record
+  finally:
+    checkpoints.wait()
+    signal.signal(signal.SIGTERM, previous)
+  writer.message(f"done: step {config.total_steps}, checkpoints in {checkpoints.directory}")
+  return last_record
+
+
+def _initial_state(config, model_cfg, params_abstract, tx, state_sh):
+  """Fresh parameters (or those of ``init_from``) and optimizer state, created sharded."""
+
+  def init():
+    params = nnx.state(model_lib.init_model(model_cfg, config.seed))
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+  state = jax.jit(init, out_shardings=state_sh)()
+  if config.init_from:
+    params = ckpt_lib.restore_params(config.init_from, params_abstract, state_sh["params"])
+    state = {"step": state["step"], "params": params,
+             "opt_state": jax.jit(tx.init, out_shardings=state_sh["opt_state"])(params)}
+  return state

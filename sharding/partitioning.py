@@ -1,0 +1,92 @@
+"""Where every array lives: the (data, model) device mesh and one table of rules from the
+parameters' logical axis names to mesh axes.
+
+Megatron-style splits follow from the rules: the MLP's ``mlp`` axis, the recurrent block's
+``lru`` axis and the attention's ``heads`` axis go to ``model``, so the up/branch projections are
+column-parallel and the down/out projections row-parallel (one all-reduce each way per block);
+the Conv1D, the RG-LRU ``a_param`` and its block-diagonal gates (``blocks``) are split by channel
+with no communication; MQA's single key/value head (``kv``) is replicated.
+
+ZeRO (``config.zero``): 1 additionally splits the optimizer state over ``data``, 3 the
+parameters too (XLA gathers each layer's weights where they are used).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+# logical axis -> mesh axis (None: replicated). Changing the parallelism is changing this table
+# or the mesh shape, nothing else.
+RULES: dict[str, str | None] = {
+    "vocab": "model",
+    "embed": None,
+    "mlp": "model",
+    "heads": "model",
+    "lru": "model",
+    "blocks": "model",
+    "kv": None,
+}
+DATA, MODEL = "data", "model"
+
+
+def make_mesh(data: int, model: int, devices=None) -> Mesh:
+  """A ``(data, model)`` mesh; -1 on one axis takes the remaining devices."""
+  devices = list(jax.devices() if devices is None else devices)
+  n = len(devices)
+  data = n // model if data == -1 else data
+  model = n // data if model == -1 else model
+  if data * model != n:
+    raise ValueError(f"mesh data={data} x model={model} does not use the {n} devices")
+  return Mesh(np.asarray(devices).reshape(data, model), (DATA, MODEL))
+
+
+def spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, *,
+         over_data: bool = False) -> P:
+  """The PartitionSpec of one array from its logical axes.
+
+  A mesh axis is used at most once and only on a dimension it divides; ``over_data`` adds
+  ``data`` on the largest remaining dimension it divides (ZeRO).
+  """
+  names: list[str | None] = []
+  for axis, size in zip(axes, shape):
+    mesh_axis = RULES.get(axis) if axis else None
+    ok = mesh_axis and mesh_axis not in names and size % mesh.shape[mesh_axis] == 0
+    names.append(mesh_axis if ok and mesh.shape[mesh_axis] > 1 else None)
+  if over_data and mesh.shape[DATA] > 1:
+    free = [i for i, n in enumerate(names) if n is None and shape[i] % mesh.shape[DATA] == 0]
+    if free:
+      names[max(free, key=lambda i: shape[i])] = DATA
+  return P(*names)
+
+
+def _shardings(model_abstract, mesh: Mesh, over_data: bool):
+  """A State shaped like the parameters' whose leaves are NamedShardings."""
+  def sharding(v: nnx.Variable):
+    axes = v.get_metadata().get("axes") or (None,) * v.value.ndim
+    return v.replace(NamedSharding(mesh, spec(axes, v.value.shape, mesh, over_data=over_data)))
+  return jax.tree.map(sharding, nnx.state(model_abstract, nnx.Param),
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def param_shardings(model_abstract, mesh: Mesh, *, zero: int):
+  """NamedShardings for the model's parameter State (abstract model from ``nnx.eval_shape``)."""
+  return _shardings(model_abstract, mesh, over_data=zero >= 3)
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, opt_abstract, model_abstract,
+                        mesh: Mesh, *, zero: int):
+  """Optimizer moments shard like their parameters (plus ``data`` from ZeRO-1 on);
+  scalars such as the step count are replicated."""
+  replicated = NamedSharding(mesh, P())
+  return optax.tree_map_params(
+      tx, lambda _, s: s, opt_abstract, _shardings(model_abstract, mesh, over_data=zero >= 1),
+      transform_non_params=lambda _: replicated)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Rows of a batch are split over ``data`` (and replicated over ``model``)."""
+  return NamedSharding(mesh, P(DATA))
