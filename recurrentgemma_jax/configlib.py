@@ -183,10 +183,11 @@ def validate(config: ml_collections.ConfigDict, *, process_count: int = 1,
   if opt.weight_decay < 0 or opt.grad_clip_norm < 0:
     errors.append("optimizer.weight_decay and optimizer.grad_clip_norm must be >= 0")
   positive("optimizer.grad_accum_steps", opt.grad_accum_steps)
-  if (isinstance(config.batch_size, int) and config.batch_size > 0
-      and opt.grad_accum_steps > 0 and config.batch_size % (process_count * opt.grad_accum_steps)):
-    errors.append(f"batch_size={config.batch_size} must be divisible by processes x "
-                  f"optimizer.grad_accum_steps = {process_count * opt.grad_accum_steps}")
+  local_rows = config.batch_size // process_count if isinstance(config.batch_size, int) else 0
+  if local_rows > 0 and opt.grad_accum_steps > 0 and local_rows % opt.grad_accum_steps:
+    # (divisibility by the process count is checked with the data fields)
+    errors.append(f"optimizer.grad_accum_steps={opt.grad_accum_steps} does not divide the "
+                  f"{local_rows} rows per process of batch_size={config.batch_size}")
   errors += _mesh_errors(config.mesh, device_count)
   if config.init_from and not os.path.exists(config.init_from):
     errors.append(f"init_from={config.init_from!r} does not exist")
@@ -221,3 +222,21 @@ def _mesh_errors(mesh, device_count: int) -> list[str]:
     return [f"mesh.data={mesh.data} x mesh.model={mesh.model} = {fixed} but there are "
             f"{device_count} devices (use -1 for the remaining)"]
   return []
+
+
+def family_config(family: str, size: str | None) -> ml_collections.ConfigDict:
+  """A paper-size model of one family (``presets.py``) with a pre-training recipe for one
+  accelerator host: bfloat16 compute, per-block rematerialisation, 2048-token rows."""
+  c = base_config()
+  c.model.update(presets.preset(family, size or "100m"))  # KeyError names the sizes
+  c.model.dtype = "bfloat16"
+  c.model.remat = "block"
+  c.total_steps = 10_000
+  c.batch_size = 32
+  c.seq_len = 2048
+  c.log_every = 50
+  c.eval_every = 1000
+  c.checkpoint_every = 1000
+  c.optimizer.learning_rate = 1e-3 if size in (None, "100m", "200m", "400m", "340m") else 4e-4
+  c.optimizer.warmup_steps = 1000
+  return c

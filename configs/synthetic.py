@@ -1,0 +1,40 @@
+"""The Griffin paper's synthetic tasks (section 6.2, Appendix H):
+`--config configs/synthetic.py:selective_copying|induction_heads`.
+
+5 residual blocks of width 64; Griffin has one local-attention block in the middle
+(window 512 by default; --config.model.attention_window_size=128 for the smaller window).
+Hawk: --config.model.block_types=recurrent,recurrent,recurrent,recurrent,recurrent; the MQA
+baseline: five global_attention blocks.
+"""
+
+from recurrentgemma_jax import configlib
+
+TASKS = ("selective_copying", "induction_heads")
+
+
+def get_config(arg=None):
+  task = arg or "selective_copying"
+  if task not in TASKS:
+    raise KeyError(f"synthetic task {task!r} is not one of {'|'.join(TASKS)}")
+  c = configlib.base_config()
+  c.data.source = "synthetic"
+  c.data.synthetic.task = task
+  c.model.family = "griffin"
+  c.model.block_types = "recurrent,recurrent,attention,recurrent,recurrent"
+  c.model.num_layers = 5
+  c.model.width = 64
+  c.model.lru_width = 64
+  c.model.num_heads = 1
+  c.model.num_gate_blocks = 1
+  c.model.mlp_expanded_width = 192
+  c.model.attention_window_size = 512
+  c.model.dtype = "float32"
+  c.seq_len = 1024 if task == "selective_copying" else 256
+  c.batch_size = 32
+  c.total_steps = 20_000 if task == "selective_copying" else 5_000
+  c.log_every = 50
+  c.eval_every = 500
+  c.checkpoint_every = 1000
+  c.optimizer.learning_rate = 1e-3
+  c.optimizer.warmup_steps = 200
+  return c
