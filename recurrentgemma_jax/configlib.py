@@ -18,7 +18,7 @@ import ml_collections
 from recurrentgemma_jax import data
 from recurrentgemma_jax import model as model_lib
 from recurrentgemma_jax import presets
-from recurrentgemma_jax.errors import ConfigError
+from recurrentgemma_jax.errors import CheckpointError, ConfigError
 
 SCHEDULES = ("cosine", "constant")
 
@@ -164,8 +164,8 @@ def validate(config: ml_collections.ConfigDict, *, process_count: int = 1,
     if not isinstance(value, int) or value <= 0:
       errors.append(f"{name}={value!r} must be a positive integer")
 
-  for name in ("total_steps", "batch_size", "seq_len", "log_every", "checkpoint_every",
-               "keep_checkpoints"):
+  # (batch_size and seq_len are checked with the data fields)
+  for name in ("total_steps", "log_every", "checkpoint_every", "keep_checkpoints"):
     positive(name, config[name])
   if not isinstance(config.eval_every, int) or config.eval_every < 0:
     errors.append(f"eval_every={config.eval_every!r} must be >= 0 (0: only at the end)")
@@ -189,8 +189,6 @@ def validate(config: ml_collections.ConfigDict, *, process_count: int = 1,
     errors.append(f"optimizer.grad_accum_steps={opt.grad_accum_steps} does not divide the "
                   f"{local_rows} rows per process of batch_size={config.batch_size}")
   errors += _mesh_errors(config.mesh, device_count)
-  if config.init_from and not os.path.exists(config.init_from):
-    errors.append(f"init_from={config.init_from!r} does not exist")
   errors += data.validate(config, process_count=process_count)
   if not errors:  # the model needs a valid tokenizer for its vocabulary size
     try:
@@ -203,8 +201,35 @@ def validate(config: ml_collections.ConfigDict, *, process_count: int = 1,
       if not errors and cfg.vocab_size < vocab:
         errors.append(f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
                       f"{vocab} ids")
+      if not errors and config.init_from:
+        errors += _init_from_errors(config.init_from, cfg)
   if errors:
     raise ConfigError("\n".join(errors))
+
+
+def _init_from_errors(path: str, cfg: model_lib.ModelConfig) -> list[str]:
+  """``init_from`` must be a model checkpoint with this run's parameter shapes."""
+  from recurrentgemma_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  if not os.path.exists(path):
+    return [f"init_from={path!r} does not exist"]
+  try:
+    saved, _ = checkpoint.read_model_config(checkpoint.resolve_model_dir(path))
+  except CheckpointError as e:
+    return [f"init_from: {e}"]
+  def shapes(c: model_lib.ModelConfig) -> dict:
+    return {"vocab_size": c.vocab_size, "width": c.width, "lru_width": c.resolved_lru_width,
+            "mlp_expanded_width": c.resolved_mlp_width, "num_heads": c.num_heads,
+            "num_gate_blocks": c.resolved_gate_blocks,
+            "conv1d_temporal_width": c.conv1d_temporal_width}
+
+  theirs = shapes(saved)
+  for name, ours in shapes(cfg).items():
+    if ours != theirs[name]:
+      return [f"init_from={path!r} has model.{name}={theirs[name]} but this run has {ours}"]
+  if saved.resolved_block_types != cfg.resolved_block_types:
+    return [f"init_from={path!r} has block types {','.join(saved.resolved_block_types)} but "
+            f"this run has {','.join(cfg.resolved_block_types)}"]
+  return []
 
 
 def _mesh_errors(mesh, device_count: int) -> list[str]:

@@ -68,11 +68,10 @@ class GLABlock(nnx.Module):
 
   def _recurrence(self, q, k, v, log_g, h0, reset):
     import pallas_kernels  # pylint: disable=g-import-not-at-top  (optional kernels)
-    from pallas_kernels import gla_reference  # pylint: disable=g-import-not-at-top
     use_kernel = self.impl == "pallas" or (
         self.impl == "auto" and jax.default_backend() in ("tpu", "gpu"))
     if use_kernel:
       return pallas_kernels.chunk_gla(q, k, v, log_g, h0, reset=reset,
                                       chunk_size=self.chunk_size)
     chunk = min(self.chunk_size, max(16, q.shape[1]))
-    return gla_reference.gla_reference(q, k, v, log_g, h0, reset=reset, chunk_size=chunk)
+    return pallas_kernels.gla_reference(q, k, v, log_g, h0, reset=reset, chunk_size=chunk)

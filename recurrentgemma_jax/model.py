@@ -134,8 +134,8 @@ class ModelConfig:
       heads = self.gla_num_heads or self.num_heads
       for name, expand in (("gla_expand_k", self.gla_expand_k),
                            ("gla_expand_v", self.gla_expand_v)):
-        dim = int(self.width * expand)
-        if dim <= 0 or dim % heads:
+        dim = self.width * expand
+        if dim <= 0 or dim != int(dim) or int(dim) % heads:
           out.append(f"model.{name}={expand}: width*{expand}={dim} is not a positive "
                      f"multiple of the {heads} GLA heads")
     if self.param_dtype not in DTYPES:

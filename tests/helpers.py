@@ -19,3 +19,28 @@ def run_script(name: str, *args: str, check: bool = True, timeout: int = 600,
     raise AssertionError(f"{name} {' '.join(args)} exited {proc.returncode}:\n"
                          f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
   return proc
+
+
+def build_tiny_tfds(root: str, train_docs: list[str], eval_docs: list[str]) -> str:
+  """Prepares an ArrayRecord TFDS dataset ``data_test_tiny_text`` (splits train, validation)
+  under ``root``, as ``tfds build`` would for c4; GeneratorBasedBuilder needs no TensorFlow."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+  class DataTestTinyText(tfds.core.GeneratorBasedBuilder):
+    VERSION = tfds.core.Version("1.0.0")
+
+    def _info(self):
+      features = tfds.features.FeaturesDict({"text": tfds.features.Text()})
+      return tfds.core.DatasetInfo(builder=self, features=features)
+
+    def _split_generators(self, dl_manager):
+      del dl_manager
+      return {"train": self._generate_examples(train_docs),
+              "validation": self._generate_examples(eval_docs)}
+
+    def _generate_examples(self, docs):
+      for i, doc in enumerate(docs):
+        yield i, {"text": doc}
+
+  DataTestTinyText(data_dir=root, file_format="array_record").download_and_prepare()
+  return root

@@ -12,6 +12,7 @@ import sentencepiece
 
 from recurrentgemma_jax import data
 from recurrentgemma_jax.data import sources
+from helpers import build_tiny_tfds
 from recurrentgemma_jax.errors import ConfigError
 
 BYTE = data.ByteTokenizer()
@@ -241,28 +242,7 @@ def tfds_dir(tmp_path_factory):
 
   GeneratorBasedBuilder writes ArrayRecord files and dataset_info.json without TensorFlow.
   """
-  import tensorflow_datasets as tfds
-
-  class DataTestTinyText(tfds.core.GeneratorBasedBuilder):
-    VERSION = tfds.core.Version("1.0.0")
-
-    def _info(self):
-      features = tfds.features.FeaturesDict({"text": tfds.features.Text()})
-      return tfds.core.DatasetInfo(builder=self, features=features)
-
-    def _split_generators(self, dl_manager):
-      return {
-          "train": self._generate_examples(DOCS),
-          "validation": self._generate_examples(["held out"] * 5),
-      }
-
-    def _generate_examples(self, docs):
-      for i, doc in enumerate(docs):
-        yield i, {"text": doc}
-
-  root = tmp_path_factory.mktemp("tfds")
-  DataTestTinyText(data_dir=str(root), file_format="array_record").download_and_prepare()
-  return str(root)
+  return build_tiny_tfds(str(tmp_path_factory.mktemp("tfds")), DOCS, ["held out"] * 5)
 
 
 def test_tfds_source_end_to_end(tfds_dir):

@@ -9,7 +9,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from tests.helpers import run_script
+from helpers import run_script
 
 rg = pytest.importorskip("recurrentgemma.jax", reason="the official package is a test dependency")
 

@@ -1,0 +1,104 @@
+"""Bad input gets one clear line naming what is wrong, exit status 2, and no traceback."""
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+from helpers import ROOT, run_script
+
+
+def load_script(name):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+  root = tmp_path_factory.mktemp("bad")
+  (root / "garbage.model").write_bytes(b"this is not a sentencepiece model")
+  (root / "not_a_checkpoint").mkdir()
+  (root / "not_a_checkpoint" / "params").mkdir()
+  (root / "not_a_checkpoint" / "model_config").mkdir()
+  (root / "not_a_checkpoint" / "params" / "junk").write_bytes(b"junk")
+  np.save(root / "tokens_1d.npy", np.arange(5))
+  np.save(root / "tokens.npy", np.zeros((2, 4), np.int32))
+  (root / "exists").mkdir()
+  return root
+
+
+TRAIN_CASES = [
+    # (arguments, a piece of the one error line)
+    (["--config.model.widht=3"], "unknown config field 'model.widht'"),
+    (["--config.model.family=rwkv"], "model.family='rwkv' is not one of griffin|hawk|mqa|gla"),
+    (["--config.model.width=30", "--config.model.num_heads=4"],
+     "model.num_heads=4 does not divide model.width=30"),
+    (["--config.data.source=text", "--config.data.paths=/nonexistent/*.txt"],
+     "data.paths='/nonexistent/*.txt' matches no file"),
+    (["--config.data.tokenizer={root}/garbage.model"], "data.tokenizer="),
+    (["--config", "{root}/nope.py"], "nope.py' does not exist"),
+    (["--config", os.path.join(ROOT, "configs", "griffin.py") + ":999m"],
+     "griffin size '999m' is not one of"),
+    (["--config.batch_size=abc"], "--config.batch_size='abc' is not a valid int"),
+    (["--config.seq_len=-5"], "seq_len="),
+    (["--config.zero=2"], "zero=2 is not one of 0|1|3"),
+    (["--config.mesh.data=3"], "mesh.data=3"),
+    (["--config.optimizer.schedule=linear"], "optimizer.schedule='linear' is not one of"),
+    (["--config.optimizer.grad_accum_steps=3", "--config.batch_size=4"],
+     "optimizer.grad_accum_steps=3 does not divide"),
+    (["--frobnicate"], "unknown argument '--frobnicate'"),
+    (["--config.init_from=/nonexistent/ckpt"], "init_from='/nonexistent/ckpt' does not exist"),
+    (["--config.init_from={root}/not_a_checkpoint"], "'model_config' is empty"),
+    (["--config.model.scan_impl=cuda"], "model.scan_impl='cuda' is not one of"),
+    (["--config.model.dtype=float16"], "model.dtype='float16' is not one of"),
+    (["--config.model.family=gla", "--config.model.gla_expand_k=0.3"], "model.gla_expand_k=0.3"),
+    (["--config.data.source=synthetic", "--config.data.synthetic.task=sorting"],
+     "data.synthetic.task='sorting'"),
+]
+
+
+@pytest.mark.parametrize("args,expected", TRAIN_CASES, ids=[c[1][:40] for c in TRAIN_CASES])
+def test_train_rejects_bad_input_with_one_line(args, expected, files, tmp_path, capsys):
+  train = load_script("train")
+  args = [a.format(root=files) for a in args]
+  with pytest.raises(SystemExit) as exit_info:
+    train.main([f"--workdir={tmp_path / 'run'}", "--config.total_steps=1", *args])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("error: "), err
+  assert expected.format(root=files) in err[0], err
+  assert not os.path.exists(tmp_path / "run" / "checkpoints")  # nothing ran
+
+
+@pytest.mark.parametrize("script,args,expected", [
+    ("evaluate", ["--checkpoint=/nonexistent", "--tokens={root}/tokens.npy",
+                  "--nll_out={root}/o.npy"], "checkpoint '/nonexistent' does not exist"),
+    ("evaluate", ["--checkpoint={root}/not_a_checkpoint", "--tokens={root}/tokens.npy",
+                  "--nll_out={root}/o.npy"], "not_a_checkpoint"),
+    ("evaluate", ["--checkpoint={root}/exists", "--tokens={root}/tokens.npy",
+                  "--nll_out={root}/o.npy"], "has no 'params' and 'model_config' items"),
+    ("evaluate", ["--checkpoint={root}/exists", "--tokens={root}/tokens_1d.npy",
+                  "--nll_out={root}/o.npy"], "expected integers of shape [N, T]"),
+    ("import_recurrentgemma", ["--src=/nonexistent", "--dst={root}/x"], "is not a directory"),
+    ("import_recurrentgemma", ["--src={root}/exists", "--dst={root}/exists"], "already exists"),
+    ("import_recurrentgemma", ["--src={root}/not_a_checkpoint", "--dst={root}/y"],
+     "is not a readable Orbax checkpoint"),
+])
+def test_other_scripts_reject_bad_input_with_one_line(script, args, expected, files, capsys):
+  module = load_script(script)
+  with pytest.raises(SystemExit) as exit_info:
+    module.main([a.format(root=files) for a in args])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("error: "), err
+  assert expected in err[0], err
+
+
+def test_a_user_error_prints_no_traceback_from_the_command_line(tmp_path):
+  proc = run_script("train.py", f"--workdir={tmp_path}", "--config.model.family=rwkv",
+                    check=False)
+  assert proc.returncode == 2
+  assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr

@@ -1,0 +1,141 @@
+"""The training job end to end: resumption after SIGKILL (bitwise), SIGTERM, every family,
+TFDS, corrupt checkpoints, non-finite losses, metrics."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import ROOT, build_tiny_tfds, run_script
+
+# A model that compiles in seconds; one block of each kind in the default griffin pattern.
+TINY = ["--config.model.width=32", "--config.model.lru_width=32", "--config.model.num_layers=3",
+        "--config.model.num_heads=2", "--config.model.num_gate_blocks=2",
+        "--config.model.mlp_expanded_width=64", "--config.model.attention_window_size=8",
+        "--config.batch_size=4", "--config.seq_len=32", "--config.data.eval_batches=2",
+        "--config.optimizer.warmup_steps=2"]
+
+
+def read_metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def losses(workdir):
+  return {m["step"]: m["loss"] for m in read_metrics(workdir) if "loss" in m}
+
+
+def train_cmd(workdir, *extra):
+  return [sys.executable, os.path.join(ROOT, "scripts", "train.py"), f"--workdir={workdir}",
+          *TINY, *extra]
+
+
+def env():
+  e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+  e.pop("XLA_FLAGS", None)
+  return e
+
+
+def start_and_signal(workdir, sig, after_step, *extra):
+  """Starts a run, sends ``sig`` once ``after_step`` is logged; returns the process."""
+  proc = subprocess.Popen(train_cmd(workdir, *extra), env=env(), cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  deadline = time.time() + 300
+  path = os.path.join(workdir, "metrics.jsonl")
+  while time.time() < deadline:
+    if os.path.exists(path) and any(s >= after_step for s in losses(workdir)):
+      proc.send_signal(sig)
+      break
+    if proc.poll() is not None:
+      raise AssertionError(f"run ended before step {after_step}:\n{proc.stdout.read()}")
+    time.sleep(0.05)
+  proc.wait(timeout=300)
+  return proc
+
+
+STEPS = ["--config.total_steps=14", "--config.log_every=1", "--config.checkpoint_every=4",
+         "--config.eval_every=0"]
+
+
+def test_sigkill_then_rerun_continues_bitwise(tmp_path):
+  reference, killed = tmp_path / "reference", tmp_path / "killed"
+  run_script("train.py", f"--workdir={reference}", *TINY, *STEPS)
+  proc = start_and_signal(killed, signal.SIGKILL, 9, *STEPS)
+  assert proc.returncode == -signal.SIGKILL
+  assert max(losses(killed)) < 14  # it really was interrupted
+  out = run_script("train.py", f"--workdir={killed}", *TINY, *STEPS).stdout
+  assert "resuming from" in out
+  expected, got = losses(reference), losses(killed)
+  assert sorted(got) == list(range(1, 15))
+  assert got == expected  # bitwise: the floats compare equal, step by step
+
+
+def test_sigterm_saves_current_step_and_exits_zero(tmp_path):
+  steps = ["--config.total_steps=500", "--config.log_every=1", "--config.checkpoint_every=100",
+           "--config.eval_every=0"]
+  proc = start_and_signal(tmp_path, signal.SIGTERM, 3, *steps)
+  output = proc.stdout.read()
+  assert proc.returncode == 0, output
+  last = max(losses(tmp_path))
+  saved = [int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()]
+  assert saved and max(saved) >= last >= 3 and max(saved) < 100, (saved, last)
+  assert f"after saving step {max(saved)}" in output
+
+
+@pytest.mark.parametrize("family", ["griffin", "hawk", "mqa", "gla"])
+def test_every_family_trains_with_the_same_command(tmp_path, family):
+  run_script("train.py", f"--workdir={tmp_path}", *TINY, f"--config.model.family={family}",
+             "--config.total_steps=3", "--config.log_every=1", "--config.eval_every=3")
+  metrics = read_metrics(tmp_path)
+  train_lines = [m for m in metrics if "loss" in m]
+  assert [m["step"] for m in train_lines] == [1, 2, 3]
+  for m in train_lines:
+    assert {"step", "loss", "tokens_per_sec", "step_time_s", "mfu"} <= set(m)
+    assert m["loss"] > 0 and m["tokens_per_sec"] > 0
+  assert metrics[-1]["step"] == 3 and metrics[-1]["eval_loss"] > 0
+  assert os.listdir(tmp_path / "tensorboard")
+
+
+def test_tfds_dataset_trains_through_the_user_path(tmp_path):
+  docs = [f"document number {i}: " + "lorem ipsum dolor sit amet " * (i % 5 + 1)
+          for i in range(40)]
+  root = build_tiny_tfds(str(tmp_path / "tfds"), docs, ["a held-out line of text"] * 4)
+  run_script("train.py", f"--workdir={tmp_path / 'run'}", *TINY, "--config.data.source=tfds",
+             "--config.data.tfds_name=data_test_tiny_text", f"--config.data.tfds_data_dir={root}",
+             "--config.total_steps=2", "--config.log_every=1")
+  assert sorted(losses(tmp_path / "run")) == [1, 2]
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path):
+  steps = ["--config.total_steps=4", "--config.checkpoint_every=2", "--config.log_every=1",
+           "--config.eval_every=0"]
+  run_script("train.py", f"--workdir={tmp_path}", *TINY, *steps)
+  latest = tmp_path / "checkpoints" / "4" / "params"
+  for dirpath, _, files in os.walk(latest):  # damage every file of the params item
+    for name in files:
+      with open(os.path.join(dirpath, name), "wb") as f:
+        f.write(b"garbage")
+  out = run_script("train.py", f"--workdir={tmp_path}", *TINY, *steps).stdout
+  assert "checkpoint step 4 is unreadable" in out and "resuming from" in out
+  assert any(d.startswith("4.unreadable") for d in os.listdir(tmp_path / "checkpoints"))
+  assert os.path.isdir(tmp_path / "checkpoints" / "4")  # redone from step 2
+
+
+def test_non_finite_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path):
+  proc = run_script("train.py", f"--workdir={tmp_path}", *TINY, "--config.total_steps=30",
+                    "--config.checkpoint_every=2", "--config.log_every=5",
+                    "--config.optimizer.learning_rate=1e30",
+                    "--config.optimizer.grad_clip_norm=0", "--config.optimizer.warmup_steps=0",
+                    check=False)
+  assert proc.returncode == 3, proc.stdout + proc.stderr
+  [line] = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+  assert "at step" in line and "last good checkpoint is step" in line
+  bad_step = int(line.split("at step ")[1].split(";")[0])
+  good = int(line.split("checkpoint is step ")[1].split()[0])
+  saved = sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
+  assert good < bad_step and (good == 0 or good in saved)
+  assert all(s < bad_step for s in saved)
