@@ -329,7 +329,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         save(step)
         last_good = step
       if (config.eval_every and step % config.eval_every == 0) or step == config.total_steps:
-        evaluate(step)
+        eval_record = evaluate(step)
       if interval_steps == 0:  # keep evaluation and saving out of the step timing
         interval_start = time.perf_counter()
       if stop["signal"]:
@@ -339,6 +339,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   finally:
     checkpoints.wait()
     signal.signal(signal.SIGTERM, previous)
+  if start < config.total_steps and config.data.source != "synthetic":
+    writer.message(f"held-out loss {eval_record['eval_loss']:.4f} nats/token; the unigram "
+                   f"entropy of the held-out tokens is {data.unigram_entropy(config):.4f}")
   writer.message(f"done: step {config.total_steps}, checkpoints in {checkpoints.directory}")
   return last_record
 
