@@ -213,19 +213,38 @@ def _place(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Trains (or resumes) according to ``config``; returns the last logged metrics."""
-  distributed.initialize()
-  configlib.validate(config, process_count=jax.process_count(), device_count=jax.device_count())
-  os.makedirs(workdir, exist_ok=True)
+@dataclasses.dataclass
+class Setup:
+  """Everything a run derives from its config before touching data or parameters."""
+
+  model_cfg: model_lib.ModelConfig
+  mesh: jax.sharding.Mesh
+  graphdef: Any
+  params_abstract: Any
+  tx: optax.GradientTransformation
+  schedule: Any
+  state_shardings: dict
+  abstract_state: dict  # ShapeDtypeStructs carrying their shardings
+
+  @property
+  def batch_sharding(self):
+    return partitioning.batch_sharding(self.mesh)
+
+  def jit_train_step(self, accum_steps: int):
+    replicated = self.state_shardings["step"]
+    return jax.jit(make_train_step(self.graphdef, self.tx, self.schedule, accum_steps),
+                   in_shardings=(self.state_shardings, self.batch_sharding),
+                   out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+
+
+def setup(config: ml_collections.ConfigDict, devices=None) -> Setup:
+  """Model, mesh, optimizer and the shardings of the train state (nothing allocated)."""
   tokenizer = data.make_tokenizer(config)
   model_cfg = configlib.model_config(config, tokenizer.vocab_size)
-  mesh = partitioning.make_mesh(config.mesh.data, config.mesh.model)
+  mesh = partitioning.make_mesh(config.mesh.data, config.mesh.model, devices)
   if config.batch_size % mesh.shape[partitioning.DATA]:
     raise ConfigError(f"batch_size={config.batch_size} is not divisible by the "
                       f"{mesh.shape[partitioning.DATA]} devices on the data axis")
-
-  # Shapes and shardings first; nothing is allocated until the jitted init.
   model_abstract = nnx.eval_shape(lambda: model_lib.init_model(model_cfg, config.seed))
   graphdef, params_abstract = nnx.split(model_abstract)
   tx, schedule = make_optimizer(config.optimizer, config.total_steps)
@@ -239,10 +258,23 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params_abstract,
        "opt_state": opt_abstract}, state_sh)
+  return Setup(model_cfg, mesh, graphdef, params_abstract, tx, schedule, state_sh,
+               abstract_state)
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Trains (or resumes) according to ``config``; returns the last logged metrics."""
+  distributed.initialize()
+  configlib.validate(config, process_count=jax.process_count(), device_count=jax.device_count())
+  os.makedirs(workdir, exist_ok=True)
+  plan = setup(config)
+  model_cfg, mesh, graphdef, state_sh = (plan.model_cfg, plan.mesh, plan.graphdef,
+                                         plan.state_shardings)
+  param_sh, replicated = state_sh["params"], state_sh["step"]
 
   log = print if jax.process_index() == 0 else (lambda *_: None)
   checkpoints = Checkpoints(workdir, config.keep_checkpoints)
-  restored = checkpoints.restore_latest(abstract_state, log)
+  restored = checkpoints.restore_latest(plan.abstract_state, log)
   train_iter = data.make_train_iterator(config, process_index=jax.process_index(),
                                         process_count=jax.process_count())
   if restored is not None:
@@ -251,10 +283,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     start = int(state["step"])
     log(f"resuming from {checkpoints.directory}/{start}")
   else:
-    state = _initial_state(config, model_cfg, params_abstract, tx, state_sh)
+    state = _initial_state(config, model_cfg, plan.params_abstract, plan.tx, state_sh)
     start = 0
 
-  n_params = sum(x.size for x in jax.tree.leaves(params_abstract))
+  n_params = sum(x.size for x in jax.tree.leaves(plan.params_abstract))
   flops_per_token = flops.train_flops_per_token(model_cfg, config.seq_len)
   peak = flops.device_peak_flops()
   writer = MetricsWriter(workdir, start, config.total_steps)
@@ -264,10 +296,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       f"model={mesh.shape['model']} on {jax.device_count()} {jax.devices()[0].device_kind}; "
       f"step {start} of {config.total_steps}")
 
-  batch_sh = partitioning.batch_sharding(mesh)
-  train_step = jax.jit(make_train_step(graphdef, tx, schedule, config.optimizer.grad_accum_steps),
-                       in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
-                       donate_argnums=0)
+  batch_sh = plan.batch_sharding
+  train_step = plan.jit_train_step(config.optimizer.grad_accum_steps)
   eval_step = jax.jit(make_eval_step(graphdef), in_shardings=(param_sh, batch_sh),
                       out_shardings=replicated)
   eval_batches = data.make_eval_batches(config, process_index=jax.process_index(),

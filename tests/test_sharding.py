@@ -1,0 +1,201 @@
+"""Sharding on 8 simulated CPU devices: meshes and ZeRO stages give single-device losses,
+parameters and optimizer state carry the intended shardings, Megatron's collectives and no
+more, ZeRO-1 memory, checkpoints across meshes, and a real 2-process jax.distributed run."""
+
+import collections
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from helpers import ROOT
+from recurrentgemma_jax import configlib, data, train
+from recurrentgemma_jax import model as model_lib
+from sharding import partitioning
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 simulated devices "
+                                "(tests/conftest.py sets them before JAX starts)")
+
+
+def small_config(**overrides):
+  config = configlib.load(os.path.join(ROOT, "configs", "default.py"))
+  config.model.update(width=64, lru_width=64, num_layers=3, num_heads=4, num_gate_blocks=8,
+                      mlp_expanded_width=128, attention_window_size=8)
+  config.update(batch_size=8, seq_len=32, total_steps=10)
+  config.optimizer.warmup_steps = 2
+  for key, value in overrides.items():
+    node = config
+    *parents, name = key.split(".")
+    for p in parents:
+      node = node[p]
+    node[name] = value
+  return config
+
+
+def losses_on(config, devices, steps=3):
+  plan = train.setup(config, devices)
+  state = train._initial_state(config, plan.model_cfg, plan.params_abstract, plan.tx,
+                               plan.state_shardings)
+  step_fn = plan.jit_train_step(1)
+  batches = data.make_train_iterator(config)
+  out = []
+  for _ in range(steps):
+    batch = {k: jax.device_put(v, plan.batch_sharding) for k, v in next(batches).items()}
+    state, metrics = step_fn(state, batch)
+    out.append(float(metrics["loss"]))
+  return out, state, plan
+
+
+@pytest.fixture(scope="module")
+def reference_losses():
+  return losses_on(small_config(), jax.devices()[:1])[0]
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+@pytest.mark.parametrize("mesh", [(8, 1), (2, 4), (4, 2), (1, 8)])
+def test_mesh_and_zero_give_single_device_losses(mesh, zero, reference_losses):
+  config = small_config(**{"mesh.data": mesh[0], "mesh.model": mesh[1], "zero": zero})
+  losses, state, _ = losses_on(config, jax.devices())
+  np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
+
+  # The intended shardings: MLP columns over model, gates by block over model, K/V replicated,
+  # ZeRO adding data to the optimizer moments (1, 3) and to the parameters (3).
+  block = state["params"]["blocks"][0]
+  up = block["mlp_block"]["ffw_up"]["w"].value.sharding.spec
+  gate = block["recurrent_block"]["rg_lru"]["a_gate"]["w"].value.sharding.spec
+  kv = state["params"]["blocks"][2]["attention_block"]["proj_k"]["kernel"].value.sharding.spec
+  if mesh[1] > 1:
+    assert tuple(up)[2] == "model" and tuple(gate)[0] == "model"
+  assert "model" not in tuple(up)[:2] and "model" not in tuple(kv)
+  assert ("data" in tuple(up)) == (zero == 3 and mesh[0] > 1)
+  mu = state["opt_state"][1][0].mu["blocks"][0]["mlp_block"]["ffw_up"]["w"].value
+  assert ("data" in tuple(mu.sharding.spec)) == (zero >= 1 and mesh[0] > 1)
+
+
+def _collectives(fn, *args):
+  hlo = jax.jit(fn).lower(*args).compile().as_text()
+  ops = re.findall(r"= \S+ (all-reduce|all-gather|all-to-all|collective-permute|"
+                   r"reduce-scatter)(?:-start)?\(", hlo)
+  return collections.Counter(ops)
+
+
+def test_megatron_collectives_of_a_griffin_residual_block():
+  mesh = partitioning.make_mesh(1, 4, jax.devices()[:4])
+  cfg = model_lib.ModelConfig(family="griffin", vocab_size=64, width=64, lru_width=128,
+                              num_layers=1, num_heads=4, num_gate_blocks=4,
+                              mlp_expanded_width=128, dtype="float32", scan_impl="xla_linear")
+  abstract = nnx.eval_shape(lambda: model_lib.ResidualBlock("recurrent", cfg, rngs=nnx.Rngs(0)))
+  graphdef, params = nnx.split(abstract)
+  shardings = partitioning.param_shardings(abstract, mesh, zero=0)
+  params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        params, shardings)
+  replicated = NamedSharding(mesh, P())
+  x = jax.ShapeDtypeStruct((2, 16, 64), jnp.float32, sharding=replicated)
+  pos = jax.ShapeDtypeStruct((2, 16), jnp.int32, sharding=replicated)
+
+  def block(p, x, pos):
+    return nnx.merge(graphdef, p)(x, pos)[0]
+
+  def block_grads(p, x, pos):
+    return jax.grad(lambda p, x: jnp.sum(block(p, x, pos) ** 2), argnums=(0, 1))(p, x)
+
+  # Forward: one all-reduce after the MLP's row-parallel down projection, one after the
+  # recurrent block's output projection; nothing else.
+  assert _collectives(block, params, x, pos) == {"all-reduce": 2}
+  # Backward adds the input-gradient all-reduces of the two column-parallel entries (XLA may
+  # combine them); still only all-reduces.
+  backward = _collectives(block_grads, params, x, pos)
+  assert set(backward) == {"all-reduce"} and 2 <= backward["all-reduce"] <= 4
+
+  # The Conv1D, the RG-LRU and its block-diagonal gates, on channels split over model: no
+  # communication at all, forward or backward.
+  rec = params["recurrent_block"]
+  lru_split = NamedSharding(mesh, P(None, None, "model"))
+  h = jax.ShapeDtypeStruct((2, 16, 128), jnp.float32, sharding=lru_split)
+  inner_def = nnx.graphdef(abstract.recurrent_block)
+
+  def conv_lru(p, h, pos):
+    module = nnx.merge(inner_def, p)
+    y, _ = module.conv_1d(h, pos)
+    return module.rg_lru(y, pos)[0]
+
+  assert _collectives(conv_lru, rec, h, pos) == {}
+  assert _collectives(lambda p, h, pos: jax.grad(
+      lambda p, h: jnp.sum(conv_lru(p, h, pos) ** 2), argnums=(0, 1))(p, h), rec, h, pos) == {}
+
+
+def test_zero1_cuts_optimizer_state_bytes_per_device_8x():
+  sizes = {}
+  for zero in (0, 1):
+    plan = train.setup(small_config(**{"mesh.data": 8, "zero": zero}), jax.devices())
+    init = jax.jit(plan.tx.init, out_shardings=plan.state_shardings["opt_state"])
+    compiled = init.lower(plan.params_abstract).compile()
+    sizes[zero] = compiled.memory_analysis().output_size_in_bytes
+  assert 7.0 <= sizes[0] / sizes[1] <= 8.0, sizes
+
+
+def test_checkpoint_from_one_mesh_restores_on_others(tmp_path):
+  config = small_config(**{"mesh.data": 2, "mesh.model": 4, "total_steps": 2,
+                           "checkpoint_every": 2, "log_every": 1, "eval_every": 0})
+  train.run(config, str(tmp_path))
+  config.total_steps = 3
+  next_losses = {}
+  for mesh, devices in [((2, 4), jax.devices()), ((8, 1), jax.devices()), ((1, 1), jax.devices()[:1])]:
+    config.mesh.data, config.mesh.model = mesh
+    plan = train.setup(config, devices)
+    state, data_state = train.Checkpoints(str(tmp_path), 3).restore_latest(plan.abstract_state,
+                                                                           print)
+    assert int(state["step"]) == 2
+    batches = data.make_train_iterator(config)
+    batches.set_state(data_state)
+    batch = {k: jax.device_put(v, plan.batch_sharding) for k, v in next(batches).items()}
+    _, metrics = plan.jit_train_step(1)(state, batch)
+    next_losses[mesh] = float(metrics["loss"])
+  values = list(next_losses.values())
+  np.testing.assert_allclose(values, [values[0]] * 3, rtol=1e-5)
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _two_processes(workdir, total_steps):
+  port = _free_port()
+  procs = []
+  for rank in range(2):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+               JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(rank), PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    procs.append(subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "scripts", "train.py"), f"--workdir={workdir}",
+         "--config.model.width=32", "--config.model.lru_width=32", "--config.model.num_layers=2",
+         "--config.model.num_heads=2", "--config.model.num_gate_blocks=2",
+         "--config.model.mlp_expanded_width=64", "--config.batch_size=4", "--config.seq_len=32",
+         f"--config.total_steps={total_steps}", "--config.checkpoint_every=2",
+         "--config.log_every=1", "--config.eval_every=0", "--config.data.eval_batches=1"],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+  outputs = [p.communicate(timeout=400)[0] for p in procs]
+  for p, out in zip(procs, outputs):
+    assert p.returncode == 0, out
+  return outputs
+
+
+def test_two_process_jax_distributed_run_trains_checkpoints_and_resumes(tmp_path):
+  first = _two_processes(tmp_path, 2)
+  assert "on 2 cpu" in first[0]  # one global mesh over both processes' devices
+  second = _two_processes(tmp_path, 4)
+  assert "resuming from" in second[0]
+  with open(tmp_path / "metrics.jsonl") as f:
+    steps = [int(line.split('"step": ')[1].split(",")[0]) for line in f if '"loss"' in line]
+  assert steps == [1, 2, 3, 4]
+  assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()) == [2, 4]
