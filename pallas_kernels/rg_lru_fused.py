@@ -1,0 +1,131 @@
+"""The RG-LRU layer fused into one pass over HBM, forward and backward (custom VJP).
+
+Forward, per step (float32): ``gate_x = sigmoid(gx)``, ``gate_a = sigmoid(ga)``,
+``log_a = -8 gate_a softplus(a_param)``, ``a = exp(log_a)``, ``mult = sqrt(1 - a^2)``; at a
+reset token ``a = 0`` and ``mult = 1``; ``h_t = a_t h_{t-1} + x_t gate_x mult``. Only x, the two
+gate logits and the reset flags are read and y written: the gates, ``a`` and the normalised
+input never reach HBM.
+
+Backward: the reverse scan of ``scan_linear`` (carry ``c = a_t g_t``) with the gate math
+recomputed from the same inputs, so the residuals are the inputs, ``y`` and ``h0``. The
+``a_param`` gradient is a sum over b and t; the kernel accumulates it over t in a second carry
+and the sum over b happens outside. ``sqrt``'s derivative is evaluated at
+``max(1 - a^2, 1 / (4 * 1000^2))`` (recurrentgemma's bound, keeping bfloat16 training finite).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import scan_core
+from pallas_kernels.scan_reference import MAX_SQRT_GRADIENT, RG_LRU_C
+
+_MIN_SQRT_ARG = 1.0 / (4.0 * MAX_SQRT_GRADIENT**2)
+
+
+def _one_minus_exp(u):
+  """``1 - exp(u)`` for ``u <= 0``, accurate near 0 where the subtraction cancels.
+
+  As a -> 1, ``1 - a^2`` is a few float32 ulps of 1 and ``1 - exp(2 log a)`` rounds it to 0 (or
+  to one ulp); a Taylor polynomial keeps it to float32 relative precision (``expm1`` would too,
+  but Mosaic has no lowering for it). Relative truncation error below |u|^5 / 720 (|u| < 0.1).
+  """
+  series = -u * (1.0 + u * (1.0 / 2 + u * (1.0 / 6 + u * (1.0 / 24 + u * (1.0 / 120)))))
+  return jnp.where(u > -0.1, series, 1.0 - jnp.exp(u))
+
+
+def _gates(x_logit, a_logit, reset, softplus_a):
+  gate_x = jax.nn.sigmoid(x_logit)
+  gate_a = jax.nn.sigmoid(a_logit)
+  log_a = -RG_LRU_C * gate_a * softplus_a
+  a = jnp.exp(log_a)
+  one_minus_a_sq = _one_minus_exp(2.0 * log_a)
+  keep = 1.0 - reset
+  mult = reset + keep * jnp.sqrt(one_minus_a_sq)
+  return gate_x, gate_a, a * keep, one_minus_a_sq, mult, keep
+
+
+def _forward_step(carries, ins):
+  (h,), (x, x_logit, a_logit, reset, softplus_a) = carries, ins
+  gate_x, _, a, _, mult, _ = _gates(x_logit, a_logit, reset, softplus_a)
+  h = a * h + x * gate_x * mult
+  return (h,), (h,)
+
+
+def _backward_step(carries, ins):
+  (c, acc), (dy, x, x_logit, a_logit, h_prev, reset, softplus_a) = carries, ins
+  gate_x, gate_a, a, one_minus_a_sq, mult, keep = _gates(x_logit, a_logit, reset, softplus_a)
+  g = dy + c  # d loss / d h_t
+  g_x = g * x
+  dx = g * gate_x * mult
+  dx_logit = g_x * mult * gate_x * (1.0 - gate_x)
+  # d/dlog_a of a (= a) and of mult (= -a^2 / sqrt(1 - a^2), with the bounded sqrt'); zero at a
+  # reset, where a and mult are constants.
+  d_mult = g_x * gate_x
+  d_log_a = keep * (g * h_prev * a - d_mult * (1.0 - one_minus_a_sq)
+                    * jax.lax.rsqrt(jnp.maximum(one_minus_a_sq, _MIN_SQRT_ARG)))
+  da_logit = d_log_a * (-RG_LRU_C * softplus_a) * gate_a * (1.0 - gate_a)
+  acc = acc + d_log_a * (-RG_LRU_C * gate_a)  # d loss / d softplus(a_param), summed over t
+  return (a * g, acc), (dx, dx_logit, da_logit)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def rg_lru_with_config(x, gate_x_logits, gate_a_logits, a_param, reset, h0,
+                       config: scan_core.ScanConfig):
+  """``rg_lru`` with an explicit kernel configuration; ``reset`` float ``[B, T]`` and ``h0``
+  ``[B, D]`` float32 are required here (see ``rg_lru`` for the rest)."""
+  return _forward(x, gate_x_logits, gate_a_logits, a_param, reset, h0, config)[0]
+
+
+def _forward(x, gate_x_logits, gate_a_logits, a_param, reset, h0, config):
+  softplus_a = jax.nn.softplus(a_param.astype(jnp.float32))
+  (y,), (h_last,) = scan_core.blocked_scan(
+      _forward_step, (x, gate_x_logits, gate_a_logits), (h0,), out_dtypes=(x.dtype,),
+      reverse=False, config=config, rows=(reset,), params=(softplus_a,))
+  return (y, h_last), (x, gate_x_logits, gate_a_logits, a_param, reset, h0, y)
+
+
+def _backward(config, residuals, cotangents):
+  x, gate_x_logits, gate_a_logits, a_param, reset, h0, y = residuals
+  dy, dh_last = cotangents
+  a_param32 = a_param.astype(jnp.float32)
+  (dx, dx_logits, da_logits), (dh0, d_softplus) = scan_core.blocked_scan(
+      _backward_step, (dy, x, gate_x_logits, gate_a_logits),
+      (dh_last.astype(jnp.float32), jnp.zeros_like(h0, jnp.float32)),
+      out_dtypes=(x.dtype, gate_x_logits.dtype, gate_a_logits.dtype), reverse=True,
+      config=config, lookahead=(y, h0), rows=(reset,), params=(jax.nn.softplus(a_param32),))
+  d_a_param = jnp.sum(d_softplus, axis=0) * jax.nn.sigmoid(a_param32)
+  return (dx, dx_logits, da_logits, d_a_param.astype(a_param.dtype), jnp.zeros_like(reset),
+          dh0.astype(h0.dtype))
+
+
+rg_lru_with_config.defvjp(_forward, _backward)
+
+
+def rg_lru(x, gate_x_logits, gate_a_logits, a_param, reset=None, h0=None, *, interpret=False):
+  """The fused RG-LRU layer (gates, decay, normalisation and the scan in one kernel).
+
+  Args:
+    x, gate_x_logits, gate_a_logits: ``[B, T, D]`` (float32 or bfloat16).
+    a_param: ``[D]``, the decay parameter: ``log a_t = -8 * gate_a_t * softplus(a_param)``.
+    reset: bool ``[B, T]``, True at the first token of a document (the state restarts there),
+      or None.
+    h0: ``[B, D]`` float32 or None (zeros).
+    interpret: run the TPU kernel in TPU interpret mode (also chosen on a CPU backend).
+
+  Returns:
+    ``y: [B, T, D]`` in ``x``'s dtype and ``h_last: [B, D]`` float32. Differentiable in ``x``,
+    both gate logits, ``a_param`` and ``h0``.
+  """
+  B, T, D = x.shape
+  if gate_x_logits.shape != x.shape or gate_a_logits.shape != x.shape or a_param.shape != (D,):
+    raise ValueError(f"shapes: x {x.shape}, gate logits {gate_x_logits.shape} "
+                     f"{gate_a_logits.shape}, a_param {a_param.shape}")
+  reset = (jnp.zeros((B, T), jnp.float32) if reset is None
+           else jax.lax.stop_gradient(reset.astype(jnp.float32)))
+  h0 = jnp.zeros((B, D), jnp.float32) if h0 is None else h0.astype(jnp.float32)
+  return rg_lru_with_config(x, gate_x_logits, gate_a_logits, a_param, reset, h0,
+                            scan_core.default_config(interpret))

@@ -1,0 +1,185 @@
+"""Times chunk_gla (forward, forward+backward) beside flash-linear-attention and cuDNN attention.
+
+    python scripts/bench_gla.py --out DIR [--shapes 8,2048,16,64 ...] [--reps 20] [--check]
+
+Runs on a GPU. All inputs bfloat16, K = V = head dim. Times are medians: for JAX, of batches of
+back-to-back calls divided by the batch size (device time, host dispatch overlapped); for
+flash-linear-attention (fla.ops.gla.chunk_gla, if importable), of triton.testing.do_bench's CUDA
+events. Writes DIR/bench_gla.md (a markdown table with ratios) and DIR/bench_gla.json.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.chunk_gla import chunk_gla
+from pallas_kernels.gla_reference import gla_reference
+
+SHAPES = [(8, 2048, 16, 64), (4, 4096, 16, 64), (2, 8192, 16, 64), (1, 16384, 16, 64),
+          (8, 2048, 8, 128), (2, 8192, 8, 128)]
+
+
+def _inputs(shape, seed=0):
+  b, t, h, d = shape
+  ks = jax.random.split(jax.random.key(seed), 5)
+  q, k, v, do = (jax.random.normal(kk, (b, t, h, d), jnp.bfloat16) for kk in ks[:4])
+  log_g = jax.nn.log_sigmoid(jax.random.normal(ks[4], (b, t, h, d), jnp.float32) + 2.0)
+  return q, k, v, log_g.astype(jnp.bfloat16), do
+
+
+def _time_jax(f, args, reps, batch=5):
+  t0 = time.perf_counter()
+  jax.block_until_ready(f(*args))  # compile and warm up
+  print(f"  first call (compile) {time.perf_counter() - t0:.1f} s", flush=True)
+  jax.block_until_ready(f(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(batch):
+      out = f(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / batch)
+  return statistics.median(times) * 1e3
+
+
+def _gla_fns():
+  fwd = jax.jit(lambda q, k, v, g: chunk_gla(q, k, v, g)[0])
+
+  @jax.jit
+  def fwd_bwd(q, k, v, g, do):
+    o, vjp = jax.vjp(lambda *a: chunk_gla(*a)[0], q, k, v, g)
+    return o, vjp(do)
+  return fwd, fwd_bwd
+
+
+def _cudnn_fns():
+  attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn",
+                                                      is_causal=True)
+  fwd = jax.jit(attn)
+
+  @jax.jit
+  def fwd_bwd(q, k, v, do):
+    o, vjp = jax.vjp(attn, q, k, v)
+    return o, vjp(do)
+  return fwd, fwd_bwd
+
+
+def _time_fla(shape, reps):
+  try:
+    import torch
+    import triton
+    from fla.ops.gla import chunk_gla as fla_chunk_gla
+  except ImportError as e:
+    print(f"flash-linear-attention unavailable: {e}")
+    return None
+  b, t, h, d = shape
+  gen = torch.Generator(device="cuda").manual_seed(0)
+  mk = lambda: torch.randn(b, t, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+  q, k, v, do = mk(), mk(), mk(), mk()
+  g = torch.nn.functional.logsigmoid(mk().float() + 2.0).to(torch.bfloat16)
+  bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=max(50, 5 * reps),
+                                             return_mode="median")
+  with torch.no_grad():
+    fwd = bench(lambda: fla_chunk_gla(q, k, v, g))
+  leaves = [x.requires_grad_() for x in (q, k, v, g)]
+
+  def fwd_bwd():
+    o, _ = fla_chunk_gla(*leaves)
+    o.backward(do)
+  return fwd, bench(fwd_bwd)
+
+
+def check(out_lines):
+  """Our kernel against the float32 reference on the GPU, values and gradients."""
+  for dtype, shape in ((jnp.float32, (2, 1000, 4, 48)), (jnp.bfloat16, (2, 4096, 4, 64))):
+    b, t, h, d = shape
+    q, k, v, g, do = (x.astype(dtype) for x in _inputs(shape, seed=1))
+    g = g.astype(jnp.float32)
+    rel = lambda a, r: float(jnp.linalg.norm((a.astype(jnp.float32) - r).ravel())
+                             / jnp.linalg.norm(r.ravel()))
+    f32 = lambda xs: [x.astype(jnp.float32) for x in xs]
+    loss = lambda fn: (lambda *a: jnp.sum(fn(*a)[0].astype(jnp.float32) * do.astype(
+        jnp.float32)))
+    ours = jax.jit(jax.value_and_grad(loss(chunk_gla), argnums=(0, 1, 2, 3)))(q, k, v, g)
+    ref = jax.jit(jax.value_and_grad(loss(gla_reference), argnums=(0, 1, 2, 3)))(
+        *f32((q, k, v, g)))
+    errs = [rel(a, r) for a, r in zip(ours[1], ref[1])]
+    o1 = jax.jit(lambda *a: chunk_gla(*a)[0])(q, k, v, g)
+    o2 = jax.jit(lambda *a: gla_reference(*a)[0])(*f32((q, k, v, g)))
+    line = (f"check {jnp.dtype(dtype).name} {shape}: o rel err {rel(o1, o2):.2e}; "
+            f"dq dk dv dlog_g rel err {' '.join(f'{e:.2e}' for e in errs)}")
+    print(line, flush=True)
+    out_lines.append(line)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", required=True)
+  ap.add_argument("--shapes", nargs="*", default=None, help="B,T,H,D ...")
+  ap.add_argument("--reps", type=int, default=20)
+  ap.add_argument("--check", action="store_true", help="compare with the reference first")
+  ap.add_argument("--no_fla", action="store_true")
+  ap.add_argument("--deadline", type=float, default=1e9,
+                  help="seconds after which no new measurement starts (the table still gets written)")
+  args = ap.parse_args()
+  os.makedirs(args.out, exist_ok=True)
+  shapes = ([tuple(map(int, s.split(","))) for s in args.shapes] if args.shapes else SHAPES)
+  notes = []
+  if args.check:
+    check(notes)
+  gla_fwd, gla_fb = _gla_fns()
+  att_fwd, att_fb = _cudnn_fns()
+  start = time.perf_counter()
+  timed = lambda fn, *a: None if time.perf_counter() - start > args.deadline else fn(*a)
+  rows = []
+  for shape in shapes:
+    q, k, v, g, do = _inputs(shape)
+    r = {"shape": shape, "fla_fwd": None, "fla_fb": None}
+    r["gla_fwd"] = timed(_time_jax, gla_fwd, (q, k, v, g), args.reps)
+    r["gla_fb"] = timed(_time_jax, gla_fb, (q, k, v, g, do), args.reps)
+    r["att_fwd"] = timed(_time_jax, att_fwd, (q, k, v), args.reps)
+    r["att_fb"] = timed(_time_jax, att_fb, (q, k, v, do), args.reps)
+    rows.append(r)
+    print(r, flush=True)
+    _write_table(rows, notes, args.out)
+  for r in rows:  # last: its autotuning compiles many variants per (H, K)
+    fla = None if args.no_fla else timed(_time_fla, r["shape"], args.reps)
+    r["fla_fwd"], r["fla_fb"] = fla if fla else (None, None)
+    print(r, flush=True)
+    _write_table(rows, notes, args.out)
+
+  print(_write_table(rows, notes, args.out))
+
+
+def _write_table(rows, notes, out):
+  """Markdown and JSON of what has been measured so far."""
+  fmt = lambda x: "-" if x is None else f"{x:.3f}"
+  ratio = lambda a, b: "-" if a is None or b is None else f"{a / b:.2f}"
+  dev = jax.devices()[0]
+  lines = [f"Device: {dev.device_kind}; jax {jax.__version__}; "
+           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", "",
+           "| B, T, H, Dh | chunk_gla fwd / fwd+bwd (ms) | fla chunk_gla fwd / fwd+bwd (ms) "
+           "| cuDNN attention fwd / fwd+bwd (ms) | ours/fla fwd+bwd | ours/cuDNN fwd+bwd |",
+           "|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(
+        f"| {', '.join(map(str, r['shape']))} | {fmt(r['gla_fwd'])} / {fmt(r['gla_fb'])} "
+        f"| {fmt(r['fla_fwd'])} / {fmt(r['fla_fb'])} | {fmt(r['att_fwd'])} / {fmt(r['att_fb'])} "
+        f"| {ratio(r['gla_fb'], r['fla_fb'])} | {ratio(r['gla_fb'], r['att_fb'])} |")
+  lines += [""] + notes
+  text = "\n".join(lines)
+  with open(os.path.join(out, "bench_gla.md"), "w") as f:
+    f.write(text + "\n")
+  with open(os.path.join(out, "bench_gla.json"), "w") as f:
+    json.dump({"device": dev.device_kind, "rows": rows, "notes": notes}, f, indent=1)
+  return text
+
+
+if __name__ == "__main__":
+  main()

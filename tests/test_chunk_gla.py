@@ -1,0 +1,134 @@
+"""chunk_gla (Pallas, interpret mode on the CPU) against a float64 NumPy step-by-step recurrence."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.chunk_gla import chunk_gla
+from pallas_kernels.gla_reference import gla_recurrent_step, gla_reference
+
+
+def recurrence(q, k, v, log_g, h0, scale, reset, do, dh_last):
+  """Float64 forward (o, h_last) and backward (dq, dk, dv, dlog_g, dh0) one token at a time,
+  for the loss sum(o * do) + sum(h_last * dh_last)."""
+  q, k, v, log_g, do = (np.asarray(x, np.float64) for x in (q, k, v, log_g, do))
+  bsz, t, h, dk = q.shape
+  keep = 1.0 - np.asarray(reset, np.float64)
+  states = [np.asarray(h0, np.float64)]
+  for i in range(t):
+    decay = np.exp(log_g[:, i]) * keep[:, i, None, None]
+    states.append(decay[..., None] * states[-1] + k[:, i, :, :, None] * v[:, i, :, None, :])
+  o = scale * np.einsum("bthk,tbhkv->bthv", q, np.stack(states[1:]))
+  ds = np.asarray(dh_last, np.float64).copy()
+  grads = [np.zeros_like(x) for x in (q, k, v, log_g)]
+  for i in reversed(range(t)):
+    ds = ds + scale * q[:, i, :, :, None] * do[:, i, :, None, :]
+    grads[0][:, i] = scale * np.einsum("bhkv,bhv->bhk", states[i + 1], do[:, i])
+    grads[1][:, i] = np.einsum("bhkv,bhv->bhk", ds, v[:, i])
+    grads[2][:, i] = np.einsum("bhkv,bhk->bhv", ds, k[:, i])
+    decay = np.exp(log_g[:, i]) * keep[:, i, None, None]
+    grads[3][:, i] = np.einsum("bhkv,bhkv->bhk", ds, decay[..., None] * states[i])
+    ds = ds * decay[..., None]
+  return o, states[-1], (*grads, ds)
+
+
+def rel_err(x, ref):
+  x = np.asarray(x, np.float64)
+  assert np.all(np.isfinite(x))
+  return np.linalg.norm(x - ref) / np.linalg.norm(ref)
+
+
+def random_inputs(seed, b, t, h, dk, dv, max_decay=1.0, reset_rate=0.0):
+  rng = np.random.default_rng(seed)
+  f32 = lambda *s: rng.normal(size=s).astype(np.float32)
+  log_g = -rng.uniform(0.0, max_decay, size=(b, t, h, dk)).astype(np.float32)
+  reset = rng.uniform(size=(b, t)) < reset_rate
+  return (f32(b, t, h, dk), f32(b, t, h, dk), f32(b, t, h, dv), log_g, f32(b, h, dk, dv),
+          reset, f32(b, t, h, dv), f32(b, h, dk, dv))
+
+
+def check_against_recurrence(inputs, with_reset, **kw):
+  q, k, v, log_g, h0, reset, do, dh_last = inputs
+  scale = q.shape[-1] ** -0.5
+  o_ref, h_ref, grads_ref = recurrence(q, k, v, log_g, h0, scale, reset, do, dh_last)
+  reset_arg = jnp.asarray(reset) if with_reset else None
+
+  def loss(*args):
+    o, h_last = chunk_gla(*args, reset=reset_arg, **kw)
+    return jnp.sum(o * do) + jnp.sum(h_last * dh_last), (o, h_last)
+
+  grads, (o, h_last) = jax.jit(jax.grad(loss, argnums=range(5), has_aux=True))(
+      q, k, v, log_g, h0)
+  assert rel_err(o, o_ref) < 1e-4
+  assert rel_err(h_last, h_ref) < 1e-4
+  for name, got, want in zip(("dq", "dk", "dv", "dlog_g", "dh0"), grads, grads_ref):
+    assert rel_err(got, want) < 1e-4, name
+
+
+# (platform, B, T, H, K, V, chunk): T not a multiple of the chunk, K != V, T = 1, default chunk.
+@pytest.mark.parametrize("platform, shape, chunk", [
+    ("tpu", (2, 37, 2, 12, 20), 16),
+    ("gpu", (1, 45, 2, 16, 8), 32),
+    ("tpu", (2, 1, 1, 8, 24), 16),
+    ("gpu", (1, 70, 1, 32, 16), 64),
+])
+def test_matches_recurrence(platform, shape, chunk):
+  inputs = random_inputs(sum(shape), *shape)
+  check_against_recurrence(inputs, False, platform=platform, chunk_size=chunk)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_strong_decay_stays_finite_and_exact(platform):
+  # log-gates down to -20 per step: exp of any positive cumulative difference would overflow.
+  inputs = random_inputs(7, 1, 40, 2, 16, 16, max_decay=20.0)
+  check_against_recurrence(inputs, False, platform=platform, chunk_size=32)
+
+
+def test_resets_match_recurrence():
+  inputs = random_inputs(3, 2, 50, 2, 16, 12, reset_rate=0.1)
+  check_against_recurrence(inputs, True, platform="gpu", chunk_size=16)
+
+
+def test_packed_row_equals_separate_documents():
+  q, k, v, log_g, _, _, _, _ = random_inputs(5, 1, 41, 2, 16, 16)
+  cut = 23  # the second document starts mid-chunk
+  reset = jnp.zeros((1, 41), bool).at[0, cut].set(True)
+  o, h_last = chunk_gla(q, k, v, log_g, reset=reset, chunk_size=16)
+  first, _ = chunk_gla(q[:, :cut], k[:, :cut], v[:, :cut], log_g[:, :cut], chunk_size=16)
+  second, h_second = chunk_gla(q[:, cut:], k[:, cut:], v[:, cut:], log_g[:, cut:],
+                               chunk_size=16)
+  np.testing.assert_allclose(o, np.concatenate([first, second], axis=1), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(h_last, h_second, rtol=1e-5, atol=1e-5)
+
+
+def test_recurrent_step_equals_parallel_form():
+  q, k, v, log_g, h0, _, _, _ = random_inputs(11, 2, 19, 2, 8, 12)
+  o, h_last = chunk_gla(q, k, v, log_g, h0, chunk_size=16)
+  state, outs = jnp.asarray(h0), []
+  for t in range(q.shape[1]):
+    o_t, state = gla_recurrent_step(q[:, t], k[:, t], v[:, t], log_g[:, t], state)
+    outs.append(o_t)
+  np.testing.assert_allclose(np.stack(outs, axis=1), o, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(state, h_last, rtol=1e-4, atol=1e-5)
+
+
+def test_reference_matches_recurrence():
+  q, k, v, log_g, h0, reset, do, dh_last = random_inputs(13, 2, 30, 2, 8, 12, max_decay=20.0,
+                                                         reset_rate=0.1)
+  o_ref, h_ref, _ = recurrence(q, k, v, log_g, h0, 8**-0.5, reset, do, dh_last)
+  o, h_last = gla_reference(q, k, v, log_g, h0, reset=jnp.asarray(reset), chunk_size=16)
+  assert rel_err(o, o_ref) < 1e-4
+  assert rel_err(h_last, h_ref) < 1e-4
+
+
+def test_bfloat16_inputs_keep_dtype_and_accuracy():
+  q, k, v, log_g, h0, _, _, _ = random_inputs(17, 1, 33, 2, 16, 16)
+  bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+  o, h_last = chunk_gla(bf(q), bf(k), bf(v), log_g, h0, chunk_size=16, platform="gpu")
+  o_ref, h_ref = gla_reference(*(bf(x).astype(jnp.float32) for x in (q, k, v)), log_g, h0,
+                               chunk_size=16)
+  assert o.dtype == jnp.bfloat16 and h_last.dtype == jnp.float32
+  assert rel_err(o.astype(jnp.float32), np.asarray(o_ref)) < 2e-2
+  assert rel_err(h_last, np.asarray(h_ref)) < 2e-2

@@ -1,0 +1,148 @@
+"""The RG-LRU linear-scan kernels against float64 references, forward and backward.
+
+The Pallas kernels run on the CPU: the TPU kernel in TPU interpret mode (the public entry points'
+choice on a CPU backend) and the GPU kernel in Pallas' generic interpreter. Shapes are small but
+odd (T=1, T not a multiple of any block, D not a multiple of 128, partial batch tiles) and
+block sizes are shrunk where a test must cross several blocks.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels import rg_lru_fused, scan_core, scan_linear, scan_reference
+
+TPU_SMALL_BLOCKS = scan_core.ScanConfig(backend="tpu", interpret=True, block_b=2, block_t=32,
+                                        block_d=128)
+GPU_INTERPRET = scan_core.ScanConfig(backend="gpu", interpret=True, gpu_block_d=64, gpu_chunk=8)
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def rel_err(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert np.all(np.isfinite(got)), "non-finite values"
+  return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+def f64(v):
+  return jnp.asarray(np.asarray(v, np.float64))
+
+
+def scan_inputs(seed, shape, dtype):
+  kx, ka, kh, ky = jax.random.split(jax.random.PRNGKey(seed), 4)
+  x = jax.random.normal(kx, shape).astype(dtype)
+  # Decays over (0.3, 1): states neither vanish at once nor blow up.
+  a = jax.random.uniform(ka, shape, minval=0.3, maxval=1.0).astype(dtype)
+  h0 = jax.random.normal(kh, (shape[0], shape[2]), jnp.float32)
+  dy = jax.random.normal(ky, shape).astype(dtype)
+  return x, a, h0, dy
+
+
+def check_scan(scan, shape, dtype, reverse, with_h0, seed):
+  """``scan(x, a[, h0], reverse=...)`` vs ``jax.vjp`` of the float64 lax.scan reference."""
+  x, a, h0, dy = scan_inputs(seed, shape, dtype)
+  dh_last = jax.random.normal(jax.random.PRNGKey(seed + 1), h0.shape)
+  args = (x, a, h0) if with_h0 else (x, a)
+  (y, h_last), vjp = jax.vjp(lambda *v: scan(*v, reverse=reverse), *args)
+  assert y.dtype == dtype and y.shape == shape
+  assert h_last.dtype == jnp.float32 and h_last.shape == h0.shape
+  grads = vjp((dy, dh_last))
+  with jax.enable_x64(True):
+    ref_fn = lambda *v: scan_reference.linear_scan_reference(*v, reverse=reverse)
+    (y_ref, h_ref), ref_vjp = jax.vjp(ref_fn, *map(f64, args))
+    ref_grads = ref_vjp((f64(dy), f64(dh_last)))
+  tol = TOLERANCE[dtype]
+  # bfloat16 y is a rounding of the float32 state: compare against the rounded reference.
+  assert rel_err(y, y_ref) < tol
+  assert rel_err(h_last, h_ref) < (1e-5 if dtype == jnp.float32 else tol)
+  for name, g, g_ref in zip(("dx", "da", "dh0"), grads, ref_grads):
+    assert rel_err(g, g_ref) < tol, name
+
+
+@pytest.mark.parametrize("shape,dtype,reverse,with_h0", [
+    ((2, 257, 200), jnp.float32, False, True),
+    ((2, 257, 200), jnp.float32, True, False),
+    ((3, 1, 5), jnp.float32, False, True),
+    ((1, 40, 130), jnp.bfloat16, True, True),
+])
+def test_linear_scan_public_entry(shape, dtype, reverse, with_h0):
+  check_scan(pallas_kernels.linear_scan, shape, dtype, reverse, with_h0, seed=sum(shape))
+
+
+@pytest.mark.parametrize("config,reverse", [
+    (TPU_SMALL_BLOCKS, True),   # several time blocks, a partial batch and channel tile
+    (GPU_INTERPRET, False),     # chunked loop + tail + peeled last step, masked channels
+    (GPU_INTERPRET, True),
+])
+def test_linear_scan_kernels_across_blocks(config, reverse):
+  def scan(x, a, h0, reverse):
+    return scan_linear.linear_scan_with_config(x, a, h0, reverse, config)
+  check_scan(scan, (3, 75, 200), jnp.float32, reverse, True, seed=7)
+
+
+def test_linear_scan_bfloat16_gpu_kernel():
+  def scan(x, a, h0, reverse):
+    return scan_linear.linear_scan_with_config(x, a, h0, reverse, GPU_INTERPRET)
+  check_scan(scan, (2, 33, 70), jnp.bfloat16, False, True, seed=3)
+
+
+def test_linear_scan_rejects_bad_shapes():
+  x = jnp.zeros((2, 8, 4))
+  with pytest.raises(ValueError):
+    pallas_kernels.linear_scan(x, x[:, :4])
+  with pytest.raises(ValueError):
+    pallas_kernels.linear_scan(x, x, jnp.zeros((2, 5)))
+
+
+def layer_inputs(seed, shape, dtype):
+  B, T, D = shape
+  ks = jax.random.split(jax.random.PRNGKey(seed), 7)
+  x, gate_x, gate_a = (jax.random.normal(k, shape).astype(dtype) for k in ks[:3])
+  a_param = jax.random.normal(ks[3], (D,))
+  # A few channels with a -> 1, where 1 - a^2 falls under the bound on sqrt's derivative.
+  a_param = a_param.at[: D // 8].set(-20.0)
+  reset = jax.random.uniform(ks[4], (B, T)) < 0.1
+  h0 = jax.random.normal(ks[5], (B, D))
+  dy = jax.random.normal(ks[6], shape).astype(dtype)
+  return (x, gate_x, gate_a, a_param, h0), reset, dy
+
+
+@pytest.mark.parametrize("shape,dtype,config", [
+    ((2, 100, 130), jnp.float32, None),           # the public entry (TPU interpret mode)
+    ((2, 37, 200), jnp.bfloat16, TPU_SMALL_BLOCKS),
+    ((3, 41, 100), jnp.float32, GPU_INTERPRET),
+])
+def test_rg_lru_fused_matches_unfused_layer(shape, dtype, config):
+  args, reset, dy = layer_inputs(sum(shape), shape, dtype)
+  if config is None:
+    fused = lambda x, gx, ga, p, h0: pallas_kernels.rg_lru(x, gx, ga, p, reset, h0)
+  else:
+    fused = lambda x, gx, ga, p, h0: rg_lru_fused.rg_lru_with_config(
+        x, gx, ga, p, reset.astype(jnp.float32), h0, config)
+  dh_last = jax.random.normal(jax.random.PRNGKey(0), args[-1].shape)
+  (y, h_last), vjp = jax.vjp(fused, *args)
+  grads = vjp((dy, dh_last))
+  with jax.enable_x64(True):
+    unfused = lambda x, gx, ga, p, h0: scan_reference.rg_lru_reference(x, gx, ga, p, reset, h0)
+    (y_ref, h_ref), ref_vjp = jax.vjp(unfused, *map(f64, args))
+    ref_grads = ref_vjp((f64(dy), f64(dh_last)))
+  tol = TOLERANCE[dtype]
+  assert y.dtype == dtype and h_last.dtype == jnp.float32
+  assert rel_err(y, y_ref) < tol
+  assert rel_err(h_last, h_ref) < tol
+  for name, g, g_ref in zip(("dx", "d_gate_x", "d_gate_a", "d_a_param", "dh0"), grads,
+                            ref_grads):
+    assert rel_err(g, g_ref) < tol, name
+
+
+def test_rg_lru_reset_cuts_the_state():
+  """With a reset at t, y from t on does not depend on anything before t (nor on h0)."""
+  (x, gate_x, gate_a, a_param, h0), _, _ = layer_inputs(5, (1, 24, 16), jnp.float32)
+  reset = jnp.zeros((1, 24), bool).at[0, 10].set(True)
+  y1, _ = pallas_kernels.rg_lru(x, gate_x, gate_a, a_param, reset, h0)
+  x2 = x.at[:, :10].set(jax.random.normal(jax.random.PRNGKey(9), (1, 10, 16)))
+  y2, _ = pallas_kernels.rg_lru(x2, gate_x, gate_a, a_param, reset, -h0)
+  np.testing.assert_array_equal(y1[:, 10:], y2[:, 10:])
+  assert not np.allclose(y1[:, :10], y2[:, :10])
