@@ -36,7 +36,7 @@ def chunk_reset_counts(reset: jax.Array, chunk: int) -> jax.Array:
 
 
 def gla_reference(q, k, v, log_g, h0=None, *, scale=None, reset=None, chunk_size=64):
-  """Chunked GLA in float32 with `lax.scan` over chunks.
+  """Chunked GLA in float32 (float64 for float64 inputs) with `lax.scan` over chunks.
 
   Args:
     q, k, log_g: [B, T, H, K]; log_g <= 0.
@@ -53,16 +53,17 @@ def gla_reference(q, k, v, log_g, h0=None, *, scale=None, reset=None, chunk_size
   scale = default_scale(dk) if scale is None else scale
   c = chunk_size
   tp = -(-t // c) * c
-  pad = lambda x: jnp.pad(x.astype(jnp.float32), ((0, 0), (0, tp - t), (0, 0), (0, 0)))
+  acc = jnp.promote_types(q.dtype, jnp.float32)
+  pad = lambda x: jnp.pad(x.astype(acc), ((0, 0), (0, tp - t), (0, 0), (0, 0)))
   # [NT, B, H, C, X]: scan over chunks.
   chunked = lambda x: pad(x).reshape(bsz, tp // c, c, h, -1).transpose(1, 0, 3, 2, 4)
   qc, kc, vc, gc = chunked(q * scale), chunked(k), chunked(v), chunked(log_g)
   if reset is None:
-    rc = jnp.zeros((tp // c, bsz, 1, c), jnp.float32)
+    rc = jnp.zeros((tp // c, bsz, 1, c), acc)
   else:
     r = jnp.pad(reset, ((0, 0), (0, tp - t)))
     rc = chunk_reset_counts(r, c).reshape(bsz, tp // c, 1, c).transpose(1, 0, 2, 3)
-  s0 = jnp.zeros((bsz, h, dk, dv), jnp.float32) if h0 is None else h0.astype(jnp.float32)
+  s0 = jnp.zeros((bsz, h, dk, dv), acc) if h0 is None else h0.astype(acc)
   causal = jnp.tril(jnp.ones((c, c), bool))
 
   def step(s, xs):

@@ -12,7 +12,7 @@ from jax.test_util import check_grads
 from recurrentgemma_jax import model as model_lib
 from recurrentgemma_jax import scan as scan_lib
 
-BLOCK_TYPES = ["recurrent", "attention", "global_attention"]
+BLOCK_TYPES = ["recurrent", "attention", "global_attention", "gla"]
 
 
 def tiny_config(**kw):
