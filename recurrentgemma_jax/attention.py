@@ -8,6 +8,8 @@ position inside the document, so packed documents get the positions they would h
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -41,6 +43,15 @@ def attention_mask(segment_pos: Int[Array, "b t"], window: int | None) -> Bool[A
   return mask
 
 
+class AttentionCache(NamedTuple):
+  """Keys and values of the last tokens (a ring buffer), with each slot's position in its
+  document (-1: empty). Bounded by the window for local attention."""
+
+  keys: Float[Array, "b s h"]
+  values: Float[Array, "b s h"]
+  positions: Int[Array, "b s"]
+
+
 class MQAttention(nnx.Module):
   """``num_heads`` query heads of ``width // num_heads`` dims, one key/value head."""
 
@@ -62,20 +73,53 @@ class MQAttention(nnx.Module):
       self,
       x: Float[Array, "b t d"],
       segment_pos: Int[Array, "b t"],
-      cache: None = None,
-  ) -> tuple[Float[Array, "b t d"], None]:
-    if cache is not None:
-      raise NotImplementedError("attention decoding caches are not implemented yet")
+      cache: AttentionCache | None = None,
+  ) -> tuple[Float[Array, "b t d"], AttentionCache | None]:
+    """Without a cache: attention within the row (training, evaluation). With one: the new
+    tokens also see the cached keys of their document, and the cache is updated."""
     b, t, _ = x.shape
-    q = self.proj_q(x).reshape(b, t, self.num_heads, self.head_dim)
-    k = self.proj_k(x).reshape(b, t, 1, self.head_dim)
-    v = self.proj_v(x).reshape(b, t, 1, self.head_dim)
-    q = apply_rope(q, segment_pos)
-    k = apply_rope(k, segment_pos)
-    logits = jnp.einsum("btnh,bsh->bnts", q, k[:, :, 0]) * self.head_dim**-0.5
-    mask = attention_mask(segment_pos, self.window)
+    q = apply_rope(self.proj_q(x).reshape(b, t, self.num_heads, self.head_dim), segment_pos)
+    k = apply_rope(self.proj_k(x).reshape(b, t, 1, self.head_dim), segment_pos)[:, :, 0]
+    v = self.proj_v(x).reshape(b, t, self.head_dim)
+    if cache is None:
+      keys, values, mask, new_cache = k, v, attention_mask(segment_pos, self.window), None
+    else:
+      keys, values, mask, new_cache = self._with_cache(k, v, segment_pos, cache)
+    logits = jnp.einsum("btnh,bsh->bnts", q, keys) * self.head_dim**-0.5
     logits = jnp.where(mask[:, None], logits, _MASKED).astype(
         layers.accumulation_dtype(x.dtype))
     probs = jax.nn.softmax(logits, axis=-1).astype(x.dtype)
-    encoded = jnp.einsum("bnts,bsh->btnh", probs, v[:, :, 0])
-    return self.proj_final(encoded.reshape(b, t, -1)), None
+    encoded = jnp.einsum("bnts,bsh->btnh", probs, values)
+    return self.proj_final(encoded.reshape(b, t, -1)), new_cache
+
+  def _with_cache(self, k, v, segment_pos, cache: AttentionCache):
+    """Keys, values and mask over ``cache + new tokens``, and the updated ring buffer."""
+    size = cache.keys.shape[1]
+    doc = layers.document_ids(segment_pos)  # 0: continues the cached document
+    cached_pos = jnp.where((doc[:, -1:] == 0), cache.positions, -1)  # a new document drops it
+    keys = jnp.concatenate([cache.keys.astype(k.dtype), k], axis=1)
+    values = jnp.concatenate([cache.values.astype(v.dtype), v], axis=1)
+    key_pos = jnp.concatenate([cache.positions, segment_pos], axis=1)
+    key_doc = jnp.concatenate([jnp.where(cache.positions >= 0, 0, -1), doc], axis=1)
+    order = jnp.arange(keys.shape[1])
+    new_order = order[size:]
+    mask = ((key_doc[:, None, :] == doc[:, :, None]) & (key_pos[:, None, :] >= 0)
+            & (order[None, None, :] <= new_order[None, :, None]))
+    if self.window is not None:
+      mask &= segment_pos[:, :, None] <= key_pos[:, None, :] + self.window
+    # Ring buffer: the last `size` tokens of the last document, each at slot position % size.
+    last = segment_pos[:, -1:]
+    keep = (doc == doc[:, -1:]) & (segment_pos > last - size)
+    slot = jnp.where(keep, segment_pos % size, size)  # size: out of range, dropped
+    rows = jnp.arange(k.shape[0])[:, None]
+    new_cache = AttentionCache(
+        keys=cache.keys.at[rows, slot].set(k.astype(cache.keys.dtype), mode="drop"),
+        values=cache.values.at[rows, slot].set(v.astype(cache.values.dtype), mode="drop"),
+        positions=cached_pos.at[rows, slot].set(segment_pos, mode="drop"))
+    return keys, values, mask, new_cache
+
+  def init_cache(self, batch_size: int, max_len: int, dtype) -> AttentionCache:
+    """An empty cache: the window for local attention, ``max_len`` tokens for global."""
+    size = max_len if self.window is None else min(self.window, max_len)
+    zeros = jnp.zeros((batch_size, size, self.head_dim), dtype)
+    return AttentionCache(zeros, zeros, jnp.full((batch_size, size), -1, jnp.int32))

@@ -66,8 +66,19 @@ class GLABlock(nnx.Module):
     o = self.head_norm(o).reshape(b, t, self.value_dim)
     return self.proj_out(o * jax.nn.swish(self.proj_r(x))), state
 
+  def init_cache(self, batch_size: int, max_len: int, dtype) -> jax.Array:
+    """The empty state ``[B, heads, K, V]`` (float32), whatever ``max_len``."""
+    del max_len, dtype
+    heads = self.num_heads
+    return jnp.zeros((batch_size, heads, self.key_dim // heads, self.value_dim // heads),
+                     jnp.float32)
+
   def _recurrence(self, q, k, v, log_g, h0, reset):
     import pallas_kernels  # pylint: disable=g-import-not-at-top  (optional kernels)
+    if q.shape[1] == 1 and h0 is not None:  # decoding: one recurrent step
+      h0 = jnp.where(reset[:, 0, None, None, None], 0.0, h0)
+      o, state = pallas_kernels.gla_recurrent_step(q[:, 0], k[:, 0], v[:, 0], log_g[:, 0], h0)
+      return o[:, None], state
     use_kernel = self.impl == "pallas" or (
         self.impl == "auto" and jax.default_backend() in ("tpu", "gpu"))
     if use_kernel:

@@ -157,7 +157,10 @@ class Conv1D(nnx.Module):
       same_doc = doc[:, width - 1 - shift: width - 1 - shift + t] == doc[:, width - 1:]
       out = out + jnp.where(same_doc[..., None], window, 0) * w[width - 1 - shift]
     out = out + self.b.value.astype(self.dtype)
-    return out, padded[:, -(width - 1):]
+    # The decoding state keeps only inputs of the last document (zero inputs add nothing).
+    state_doc = doc[:, -(width - 1):]
+    new_state = jnp.where((state_doc == doc[:, -1:])[..., None], padded[:, -(width - 1):], 0)
+    return out, new_state
 
 
 class Embedder(nnx.Module):

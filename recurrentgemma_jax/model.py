@@ -213,9 +213,12 @@ class ResidualBlock(nnx.Module):
     self.mlp_block = MLPBlock(cfg.width, cfg.resolved_mlp_width, rngs=rngs,
                               final_init_scale=2.0 / cfg.num_layers, **kw)
 
+  @property
+  def temporal(self):
+    return getattr(self, TEMPORAL_NAMES[self.block_type])
+
   def __call__(self, x, segment_pos, cache=None):
-    temporal = getattr(self, TEMPORAL_NAMES[self.block_type])
-    y, cache = temporal(self.temporal_pre_norm(x), segment_pos, cache)
+    y, cache = self.temporal(self.temporal_pre_norm(x), segment_pos, cache)
     x = x + y.astype(x.dtype)
     x = x + self.mlp_block(self.channel_pre_norm(x)).astype(x.dtype)
     return x, cache
@@ -256,6 +259,30 @@ class Model(nnx.Module):
       forward = nnx.remat(_block_forward, policy=policy)
     for block in self.blocks:
       x = forward(block, x, segment_pos)
+    return self._logits(x)
+
+  def extend(
+      self,
+      tokens: Int[Array, "b t"],
+      segment_pos: Int[Array, "b t"],
+      cache: tuple,
+  ) -> tuple[Float[Array, "b t v"], tuple]:
+    """Logits of ``tokens`` following the tokens already in ``cache`` (prefill or decoding),
+    and the updated cache. Equals the full forward on the whole sequence."""
+    x = self.embedder.encode(tokens)
+    new_cache = []
+    for block, block_cache in zip(self.blocks, cache):
+      x, block_cache = block(x, segment_pos, block_cache)
+      new_cache.append(block_cache)
+    return self._logits(x), tuple(new_cache)
+
+  def init_cache(self, batch_size: int, max_len: int) -> tuple:
+    """Empty decoding caches, one per block: constant size for recurrent and GLA blocks, the
+    window for local attention, ``max_len`` tokens for global attention."""
+    dtype = DTYPES[self.cfg.dtype]
+    return tuple(block.temporal.init_cache(batch_size, max_len, dtype) for block in self.blocks)
+
+  def _logits(self, x):
     logits = self.embedder.decode(self.final_norm(x))
     logits = logits.astype(layers.accumulation_dtype(logits.dtype))
     if self.cfg.logits_soft_cap:

@@ -142,3 +142,11 @@ class RecurrentBlock(nnx.Module):
     x, conv_state = self.conv_1d(x, segment_pos, None if cache is None else cache.conv1d_state)
     x, h_last = self.rg_lru(x, segment_pos, None if cache is None else cache.rg_lru_state)
     return self.linear_out(x * y), RecurrentCache(h_last, conv_state)
+
+  def init_cache(self, batch_size: int, max_len: int, dtype) -> RecurrentCache:
+    """The empty state: its size does not depend on ``max_len``."""
+    del max_len
+    width = self.rg_lru.a_param.value.shape[0]
+    return RecurrentCache(
+        jnp.zeros((batch_size, width), jnp.float32),
+        jnp.zeros((batch_size, self.conv_1d.temporal_width - 1, width), dtype))

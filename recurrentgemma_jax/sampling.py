@@ -1,0 +1,115 @@
+"""Sampling: prefill the prompts in parallel, then decode one token at a time through the
+fixed-size caches (``Model.extend``), the whole loop compiled once (``lax.scan``, no host sync
+per token; streaming goes through an ordered host callback).
+
+Prompts of different lengths are left-padded; the padding is a document of its own
+(``segment_pos`` restarts at 0 at each prompt's first token), so no state, conv tap or
+attention key crosses from the padding into a prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  max_new_tokens: int = 64
+  temperature: float = 0.0      # 0: greedy
+  top_k: int = 0                # 0: no top-k truncation
+  top_p: float = 1.0            # 1: no nucleus truncation
+  stop_tokens: tuple[int, ...] = ()
+  seed: int = 0
+
+
+@dataclasses.dataclass
+class SampleOutput:
+  tokens: np.ndarray        # int32 [B, max_new_tokens]; pad_id after a stop token
+  lengths: np.ndarray       # int32 [B]: generated tokens up to and including a stop token
+  logits: np.ndarray | None  # float32 [B, max_new_tokens, V]: the logits each token came from
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int):
+  """``tokens, segment_pos`` int32 ``[B, P]`` and prompt ``lengths`` ``[B]``."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError("every prompt needs at least one token (e.g. the BOS token)")
+  width = max(len(p) for p in prompts)
+  tokens = np.full((len(prompts), width), pad_id, np.int32)
+  segment_pos = np.zeros((len(prompts), width), np.int32)
+  for row, prompt in enumerate(prompts):
+    pad = width - len(prompt)
+    tokens[row, pad:] = prompt
+    segment_pos[row, :pad] = np.arange(pad)
+    segment_pos[row, pad:] = np.arange(len(prompt))
+  return tokens, segment_pos, np.asarray([len(p) for p in prompts], np.int32)
+
+
+def choose(logits, key, temperature: float, top_k: int, top_p: float):
+  """One token per row from ``logits`` ``[B, V]``."""
+  if temperature == 0.0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits.astype(jnp.float32) / temperature
+  if top_k:
+    kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  if top_p < 1.0:
+    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    # smallest set whose probability reaches top_p: keep a token if the mass before it < top_p
+    before = jnp.cumsum(probs, axis=-1) - probs
+    cutoff = jnp.min(jnp.where(before < top_p, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "params", "pad_id", "return_logits",
+                                             "stream"))
+def _generate(graphdef, state, tokens, segment_pos, lengths, *, params: SamplingParams,
+              pad_id: int, return_logits: bool, stream: Callable | None):
+  model = nnx.merge(graphdef, state)
+  batch = tokens.shape[0]
+  cache = model.init_cache(batch, tokens.shape[1] + params.max_new_tokens)
+  logits, cache = model.extend(tokens, segment_pos, cache)
+  stops = jnp.asarray(params.stop_tokens or (-1,), jnp.int32)
+
+  def step(carry, key):
+    cache, last_logits, pos, done = carry
+    token = jnp.where(done, pad_id, choose(last_logits, key, params.temperature, params.top_k,
+                                          params.top_p))
+    if stream is not None:
+      jax.debug.callback(stream, token, done, ordered=True)
+    done = done | jnp.isin(token, stops)
+    logits, cache = model.extend(token[:, None], pos[:, None], cache)
+    out = (token, done, last_logits if return_logits else None)
+    return (cache, logits[:, 0], pos + 1, done), out
+
+  keys = jax.random.split(jax.random.PRNGKey(params.seed), params.max_new_tokens)
+  init = (cache, logits[:, -1], lengths, jnp.zeros((batch,), bool))
+  _, (new_tokens, done, step_logits) = jax.lax.scan(step, init, keys)
+  return new_tokens.T, done.T, None if step_logits is None else step_logits.swapaxes(0, 1)
+
+
+def sample(model, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
+           *, pad_id: int = 0, return_logits: bool = False,
+           stream: Callable[[np.ndarray, np.ndarray], None] | None = None) -> SampleOutput:
+  """Continues each prompt (token ids) by up to ``params.max_new_tokens`` tokens.
+
+  ``stream(tokens [B], finished [B])`` is called on the host after each decoding step.
+  """
+  tokens, segment_pos, lengths = left_pad(prompts, pad_id)
+  graphdef, state = nnx.split(model)
+  new_tokens, done, logits = _generate(graphdef, state, tokens, segment_pos, lengths,
+                                       params=params, pad_id=pad_id,
+                                       return_logits=return_logits, stream=stream)
+  done = np.asarray(done)
+  # a row's length: up to and including its first stop token
+  generated = np.where(done.any(axis=1), done.argmax(axis=1) + 1, params.max_new_tokens)
+  return SampleOutput(np.asarray(new_tokens), generated.astype(np.int32),
+                      None if logits is None else np.asarray(logits))
