@@ -5,7 +5,7 @@
 Rows (B=8, D=2560, bfloat16 inputs, float32 carry), forward and forward+backward (the VJP with a
 random cotangent for y): our ``linear_scan`` and fused ``rg_lru``; recurrentgemma's
 ``recurrentgemma.jax.scan.linear_scan`` with LINEAR_NATIVE, ASSOCIATIVE_NATIVE and LINEAR_PALLAS
-(skipped if the package is missing); the RG-LRU layer in plain JAX (XLA, associative scan). The
+(``unroll=128``, as its RG-LRU layer calls it; skipped if the package is missing); the RG-LRU layer in plain JAX (XLA, associative scan). The
 HBM ceiling is a PyTorch device-to-device copy measured in the same run; each row's "% HBM" is
 its byte floor (each input read once, each output written once) over its time, over that
 ceiling. Times are the median of --iters timings after warm-up, each of 5 back-to-back calls
@@ -129,7 +129,8 @@ def bench_rows(T, iters, rg_scan, config):
     scan_mod, common = rg_scan
     for kind in ("LINEAR_NATIVE", "ASSOCIATIVE_NATIVE", "LINEAR_PALLAS"):
       scan_type = getattr(common.ScanType, kind)
-      f = lambda x, a, s=scan_type: scan_mod.linear_scan(x, a, scan_type=s)
+      # unroll=128 as recurrentgemma's RG-LRU layer calls it (only LINEAR_NATIVE reads it).
+      f = lambda x, a, s=scan_type: scan_mod.linear_scan(x, a, scan_type=s, unroll=128)
       add(f"recurrentgemma {kind}", f, (x, a), 3, 8)
   # Layer: read x and both gate logits, write y; backward reads dy, x, logits, y and writes
   # the three input gradients (the reset flags and a_param are negligible).

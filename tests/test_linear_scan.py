@@ -23,7 +23,8 @@ TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 def rel_err(got, want):
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   assert np.all(np.isfinite(got)), "non-finite values"
-  return np.linalg.norm(got - want) / np.linalg.norm(want)
+  # An exactly-zero reference (da at T=1 from h0 = 0) must be matched exactly.
+  return np.linalg.norm(got - want) / (np.linalg.norm(want) or 1.0)
 
 
 def f64(v):
@@ -54,17 +55,16 @@ def check_scan(scan, shape, dtype, reverse, with_h0, seed):
     (y_ref, h_ref), ref_vjp = jax.vjp(ref_fn, *map(f64, args))
     ref_grads = ref_vjp((f64(dy), f64(dh_last)))
   tol = TOLERANCE[dtype]
-  # bfloat16 y is a rounding of the float32 state: compare against the rounded reference.
-  assert rel_err(y, y_ref) < tol
-  assert rel_err(h_last, h_ref) < (1e-5 if dtype == jnp.float32 else tol)
+  assert rel_err(y, y_ref) < tol  # bfloat16 y carries its rounding (~4e-3)
+  # h_last stays float32 and sees the bfloat16 inputs exactly: float32 accuracy either way.
+  assert rel_err(h_last, h_ref) < 1e-5
   for name, g, g_ref in zip(("dx", "da", "dh0"), grads, ref_grads):
     assert rel_err(g, g_ref) < tol, name
 
 
 @pytest.mark.parametrize("shape,dtype,reverse,with_h0", [
     ((2, 257, 200), jnp.float32, False, True),
-    ((2, 257, 200), jnp.float32, True, False),
-    ((3, 1, 5), jnp.float32, False, True),
+    ((3, 1, 5), jnp.float32, True, False),
     ((1, 40, 130), jnp.bfloat16, True, True),
 ])
 def test_linear_scan_public_entry(shape, dtype, reverse, with_h0):
