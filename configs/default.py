@@ -10,7 +10,7 @@ from recurrentgemma_jax import configlib
 def get_config(arg=None):
   del arg
   c = configlib.base_config()
-  c.total_steps = 600
+  c.total_steps = 400
   c.batch_size = 16
   c.seq_len = 256
   c.log_every = 20

@@ -49,3 +49,44 @@ def test_sampling_controls():
   sampling.sample(model, prompts, sampling.SamplingParams(max_new_tokens=4),
                   stream=lambda tokens, done: seen.append(np.asarray(tokens).copy()))
   np.testing.assert_array_equal(np.stack(seen, axis=1), greedy.tokens[:, :4])
+
+
+def test_imported_official_checkpoint_reproduces_official_greedy_continuation(tmp_path):
+  rg = pytest.importorskip("recurrentgemma.jax")
+  import orbax.checkpoint as ocp
+  import sentencepiece as spm
+  from helpers import run_script
+  from recurrentgemma_jax import checkpoint
+  from test_official_parity import _official_model_and_params
+
+  text = tmp_path / "corpus.txt"
+  text.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog {i * 7}"
+                            for i in range(200)))
+  spm.SentencePieceTrainer.train(
+      input=str(text), model_prefix=str(tmp_path / "sp"), vocab_size=101, pad_id=0, eos_id=1,
+      bos_id=2, unk_id=3, minloglevel=2)
+  vocab = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+  model, params = _official_model_and_params(
+      [rg.TemporalBlockType.RECURRENT, rg.TemporalBlockType.ATTENTION], seed=11)
+  ocp.PyTreeCheckpointer().save(str(tmp_path / "official"), params)
+  run_script("import_recurrentgemma.py", f"--src={tmp_path / 'official'}",
+             f"--dst={tmp_path / 'ours'}", "--attention_window_size=5",
+             f"--tokenizer={tmp_path / 'sp.model'}")
+
+  prompt = "the quick brown fox 12 jumps"
+  official = rg.Sampler(model=model, vocab=vocab, params=params)(
+      [prompt], total_generation_steps=12, end_sampling_at_eos_token=False)
+  ours_model, _ = checkpoint.load_model(str(tmp_path / "ours"), dtype="float32")
+  ours = sampling.sample(ours_model, [[vocab.bos_id()] + vocab.EncodeAsIds(prompt)],
+                         sampling.SamplingParams(max_new_tokens=12))
+  np.testing.assert_array_equal(ours.tokens[0], np.asarray(official.tokens[0]))
+
+
+def test_sample_script_streams_a_continuation(tmp_path):
+  from helpers import run_script
+  from test_train import TINY
+  run_script("train.py", f"--workdir={tmp_path}", *TINY, "--config.total_steps=2",
+             "--config.eval_every=0")
+  proc = run_script("sample.py", f"--checkpoint={tmp_path}", "--prompt=import os",
+                    "--max_new_tokens=20", "--temperature=0.8", "--top_p=0.9")
+  assert proc.stdout.startswith("import os") and len(proc.stdout.strip()) > len("import os")

@@ -1,0 +1,76 @@
+"""Continues a prompt with a trained or imported model, streaming the text as it is sampled.
+
+  python scripts/sample.py --checkpoint DIR --prompt "def fibonacci(n):" \
+      [--max_new_tokens=200] [--temperature=0.8] [--top_k=0] [--top_p=0.95] [--seed=0] \
+      [--tokenizer=PATH] [--dtype=float32]
+
+The tokenizer is the one the checkpoint was trained with (byte-level, or the SentencePiece file
+recorded in it); ``--tokenizer`` overrides it (an imported official checkpoint needs
+RecurrentGemma's ``tokenizer.model``). Sampling stops at the end-of-sequence token.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from recurrentgemma_jax import cli  # pylint: disable=g-import-not-at-top
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--checkpoint", required=True)
+  parser.add_argument("--prompt", required=True)
+  parser.add_argument("--max_new_tokens", type=int, default=200)
+  parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+  parser.add_argument("--top_k", type=int, default=0)
+  parser.add_argument("--top_p", type=float, default=1.0)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--tokenizer", default=None, help="'byte' or a SentencePiece .model")
+  parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  args = parser.parse_args(argv)
+
+  with cli.user_errors():
+    import ml_collections  # pylint: disable=g-import-not-at-top
+    from recurrentgemma_jax import checkpoint, data, sampling  # pylint: disable=g-import-not-at-top
+    from recurrentgemma_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
+
+    if args.max_new_tokens <= 0 or args.temperature < 0 or args.top_k < 0 or not (
+        0 < args.top_p <= 1):
+      raise ConfigError("--max_new_tokens must be > 0, --temperature >= 0, --top_k >= 0 and "
+                        "--top_p in (0, 1]")
+    model, meta = checkpoint.load_model(args.checkpoint, dtype=args.dtype)
+    name = args.tokenizer or meta.get("tokenizer")
+    if not name:
+      raise ConfigError(f"checkpoint {args.checkpoint!r} records no tokenizer; pass --tokenizer")
+    tokenizer_config = data.default_config()
+    tokenizer_config.tokenizer = name
+    tokenizer = data.make_tokenizer(ml_collections.ConfigDict({"data": tokenizer_config}))
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+      raise ConfigError(f"tokenizer {name!r} has {tokenizer.vocab_size} ids but the model only "
+                        f"{model.cfg.vocab_size}")
+
+    generated: list[int] = []
+    printed = [0]
+
+    def stream(tokens, done):
+      if done[0]:
+        return
+      generated.append(int(tokens[0]))
+      text = tokenizer.decode(generated)
+      sys.stdout.write(text[printed[0]:])
+      sys.stdout.flush()
+      printed[0] = len(text)
+
+    print(args.prompt, end="", flush=True)
+    params = sampling.SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, stop_tokens=(tokenizer.eos_id,), seed=args.seed)
+    prompt = [tokenizer.bos_id] + tokenizer.encode(args.prompt)
+    sampling.sample(model, [prompt], params, pad_id=tokenizer.pad_id, stream=stream)
+    print()
+
+
+if __name__ == "__main__":
+  main()
