@@ -7,7 +7,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -170,31 +169,27 @@ def _free_port():
 
 
 def _two_processes(workdir, total_steps):
-  port = _free_port()
-  procs = []
-  for rank in range(2):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
-               JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(rank), PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)
-    procs.append(subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "scripts", "train.py"), f"--workdir={workdir}",
-         "--config.model.width=32", "--config.model.lru_width=32", "--config.model.num_layers=2",
-         "--config.model.num_heads=2", "--config.model.num_gate_blocks=2",
-         "--config.model.mlp_expanded_width=64", "--config.batch_size=4", "--config.seq_len=32",
-         f"--config.total_steps={total_steps}", "--config.checkpoint_every=2",
-         "--config.log_every=1", "--config.eval_every=0", "--config.data.eval_batches=1"],
-        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-  outputs = [p.communicate(timeout=400)[0] for p in procs]
-  for p, out in zip(procs, outputs):
-    assert p.returncode == 0, out
-  return outputs
+  """``scripts/launch_gpus.sh`` as a user runs it, with two processes of one CPU device each."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", GPUS_PER_NODE="2",
+             COORDINATOR=f"localhost:{_free_port()}", PYTHONUNBUFFERED="1")
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run(
+      ["bash", os.path.join(ROOT, "scripts", "launch_gpus.sh"), f"--workdir={workdir}",
+       "--config.model.width=32", "--config.model.lru_width=32", "--config.model.num_layers=2",
+       "--config.model.num_heads=2", "--config.model.num_gate_blocks=2",
+       "--config.model.mlp_expanded_width=64", "--config.batch_size=4", "--config.seq_len=32",
+       f"--config.total_steps={total_steps}", "--config.checkpoint_every=2",
+       "--config.log_every=1", "--config.eval_every=0", "--config.data.eval_batches=1"],
+      env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return proc.stdout
 
 
 def test_two_process_jax_distributed_run_trains_checkpoints_and_resumes(tmp_path):
   first = _two_processes(tmp_path, 2)
-  assert "on 2 cpu" in first[0]  # one global mesh over both processes' devices
+  assert "on 2 cpu" in first  # one global mesh over both processes' devices
   second = _two_processes(tmp_path, 4)
-  assert "resuming from" in second[0]
+  assert "resuming from" in second
   with open(tmp_path / "metrics.jsonl") as f:
     steps = [int(line.split('"step": ')[1].split(",")[0]) for line in f if '"loss"' in line]
   assert steps == [1, 2, 3, 4]
