@@ -26,6 +26,7 @@ setuptools.setup(
         "sentencepiece>=0.2",
         "pyarrow>=15",
         "tensorboardX>=2.6",
+        "matplotlib>=3.7",
     ],
     extras_require={
         "test": [
@@ -38,7 +39,6 @@ setuptools.setup(
             "typeguard<3",
             "absl-py",
             "tensorflow-datasets>=4.9.7",
-            "matplotlib",
         ],
     },
 )

@@ -46,3 +46,34 @@ def token_nll(model, tokens: np.ndarray, *, batch_size: int = 8) -> np.ndarray:
       batch = np.concatenate([batch, np.zeros((pad, batch.shape[1]), batch.dtype)])
     out.append(np.asarray(_row_nll(model, jnp.asarray(batch)))[:batch_size - pad])
   return np.concatenate(out).astype(np.float32)
+
+
+def mean_so_far(nll: np.ndarray) -> np.ndarray:
+  """``[T-1]``: at position ``t``, the mean NLL over all rows and positions ``<= t``."""
+  per_position = nll.astype(np.float64).mean(axis=0)
+  return (np.cumsum(per_position) / np.arange(1, len(per_position) + 1)).astype(np.float32)
+
+
+def write_curve(path: str, curve: np.ndarray) -> None:
+  with open(path, "w") as f:
+    f.write("position,mean_nll_so_far\n")
+    for t, value in enumerate(curve, start=1):
+      f.write(f"{t},{value:.6f}\n")
+
+
+def plot_curve(path: str, curve: np.ndarray, *, train_len: int = 0, label: str = "") -> None:
+  """Mean-so-far NLL against the token position (log x), as in the Griffin paper's Fig. 5."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(6, 4))
+  ax.plot(np.arange(1, len(curve) + 1), curve, label=label or None)
+  if train_len:
+    ax.axvline(train_len, color="gray", linestyle="--", label=f"training length {train_len}")
+  ax.set_xscale("log")
+  ax.set_xlabel("token position")
+  ax.set_ylabel("mean NLL so far (nats)")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

@@ -5,6 +5,10 @@
 ``IN.npy``: int32 ``[N, T]`` token ids, one sequence per row. ``OUT.npy``: float32 ``[N, T-1]``,
 the NLL (nats) of ``tokens[:, t+1]`` given ``tokens[:, :t+1]``. Prints the mean NLL and the
 perplexity. ``DIR`` is an imported checkpoint or a training workdir (its latest checkpoint).
+
+Long-context mode (the Griffin paper's Fig. 5): ``--curve_out CURVE.csv`` writes, for every
+position ``t``, the mean NLL over rows and over positions ``<= t`` ("mean so far"), and
+``--plot CURVE.png`` draws it against the position (log scale), with ``--train_len`` marked.
 """
 
 import argparse
@@ -24,6 +28,10 @@ def main(argv=None) -> None:
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                       help="activation dtype of the forward pass")
   parser.add_argument("--batch_size", type=int, default=8, help="rows per forward pass")
+  parser.add_argument("--curve_out", default=None, help="CSV of mean-so-far NLL by position")
+  parser.add_argument("--plot", default=None, help="PNG of the mean-so-far NLL curve")
+  parser.add_argument("--train_len", type=int, default=0,
+                      help="training sequence length, marked on the plot (0: none)")
   args = parser.parse_args(argv)
 
   with cli.user_errors():
@@ -44,6 +52,14 @@ def main(argv=None) -> None:
     mean = float(nll.mean())
     print(f"mean NLL {mean:.6f} nats/token, perplexity {np.exp(mean):.4f} "
           f"over {nll.size} tokens -> {args.nll_out}")
+    if args.curve_out or args.plot:
+      curve = evaluation.mean_so_far(nll)
+      if args.curve_out:
+        evaluation.write_curve(args.curve_out, curve)
+      if args.plot:
+        evaluation.plot_curve(args.plot, curve, train_len=args.train_len,
+                              label=os.path.basename(os.path.normpath(args.checkpoint)))
+      print(f"mean-so-far NLL at position {len(curve)}: {curve[-1]:.4f}")
 
 
 if __name__ == "__main__":

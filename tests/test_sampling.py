@@ -90,3 +90,20 @@ def test_sample_script_streams_a_continuation(tmp_path):
   proc = run_script("sample.py", f"--checkpoint={tmp_path}", "--prompt=import os",
                     "--max_new_tokens=20", "--temperature=0.8", "--top_p=0.9")
   assert proc.stdout.startswith("import os") and len(proc.stdout.strip()) > len("import os")
+
+
+def test_long_context_evaluation_writes_the_mean_so_far_curve(tmp_path):
+  from helpers import run_script
+  from test_train import TINY
+  run_script("train.py", f"--workdir={tmp_path}", *TINY, "--config.total_steps=2",
+             "--config.eval_every=0")  # trained on 32-token rows
+  tokens = np.random.default_rng(0).integers(3, 259, size=(2, 97)).astype(np.int32)
+  np.save(tmp_path / "long.npy", tokens)
+  run_script("evaluate.py", f"--checkpoint={tmp_path}", f"--tokens={tmp_path / 'long.npy'}",
+             f"--nll_out={tmp_path / 'nll.npy'}", f"--curve_out={tmp_path / 'curve.csv'}",
+             f"--plot={tmp_path / 'curve.png'}", "--train_len=32")
+  nll = np.load(tmp_path / "nll.npy")
+  rows = np.loadtxt(tmp_path / "curve.csv", delimiter=",", skiprows=1)
+  assert rows.shape == (96, 2)
+  np.testing.assert_allclose(rows[:, 1], np.cumsum(nll.mean(0)) / np.arange(1, 97), rtol=1e-4)
+  assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
