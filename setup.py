@@ -29,6 +29,8 @@ setuptools.setup(
         "matplotlib>=3.7",
     ],
     extras_require={
+        # TFDS datasets (c4 ...), read through tfds.data_source without TensorFlow.
+        "tfds": ["tensorflow-datasets>=4.9.7"],
         "test": [
             "pytest>=8",
             "pytest-xdist>=3",

@@ -94,8 +94,10 @@ def _check_parquet_field(path: str, field: str) -> list[str]:
 def _check_tfds(data) -> list[str]:
   if not data.tfds_name:
     return ["data.tfds_name is empty; data.source='tfds' needs a name such as 'c4/en:3.1.0'"]
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-
+  try:
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return ["data.source='tfds' needs tensorflow-datasets: pip install -e '.[tfds]'"]
   try:
     info = tfds.builder(data.tfds_name, data_dir=data.tfds_data_dir or None).info
   except Exception as e:  # pylint: disable=broad-except  (tfds raises many types, all "unusable")
