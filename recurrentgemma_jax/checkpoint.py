@@ -17,7 +17,6 @@ import os
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 

@@ -115,9 +115,8 @@ def make_eval_step(graphdef):
 class MetricsWriter:
   """``metrics.jsonl`` (one JSON object per logged step), TensorBoard, and the terminal."""
 
-  def __init__(self, workdir: str, resume_step: int, total_steps: int):
+  def __init__(self, workdir: str, resume_step: int):
     self.path = os.path.join(workdir, "metrics.jsonl")
-    self.total_steps = total_steps
     self.tty = sys.stdout.isatty()
     if os.path.exists(self.path):  # drop lines the resumed run will log again
       with open(self.path) as f:
@@ -289,7 +288,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   n_params = sum(x.size for x in jax.tree.leaves(plan.params_abstract))
   flops_per_token = flops.train_flops_per_token(model_cfg, config.seq_len)
   peak = flops.device_peak_flops()
-  writer = MetricsWriter(workdir, start, config.total_steps)
+  writer = MetricsWriter(workdir, start)
   writer.message(
       f"{model_cfg.family} model: {n_params / 1e6:.2f}M parameters, "
       f"{len(model_cfg.resolved_block_types)} blocks; mesh data={mesh.shape['data']} "

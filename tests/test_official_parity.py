@@ -1,7 +1,6 @@
 """Official RecurrentGemma checkpoints give the official per-token NLL through our importer
 and evaluator (float32), for patterns starting with recurrence and with attention."""
 
-import os
 
 import jax
 import jax.numpy as jnp

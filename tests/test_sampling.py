@@ -1,6 +1,5 @@
 """Sampling through the decoding caches equals the full forward; official greedy parity."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
