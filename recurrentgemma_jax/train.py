@@ -207,9 +207,10 @@ class Checkpoints:
     self.manager.wait_until_finished()
 
 
-def _place(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
+def _place(batch: dict[str, np.ndarray], sharding, global_rows: int) -> dict[str, jax.Array]:
   """The process-local rows -> one global array per field, split over ``data``."""
-  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+  return {k: jax.make_array_from_process_local_data(sharding, v, (global_rows, *v.shape[1:]))
+          for k, v in batch.items()}
 
 
 @dataclasses.dataclass
@@ -274,8 +275,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   log = print if jax.process_index() == 0 else (lambda *_: None)
   checkpoints = Checkpoints(workdir, config.keep_checkpoints)
   restored = checkpoints.restore_latest(plan.abstract_state, log)
-  train_iter = data.make_train_iterator(config, process_index=jax.process_index(),
-                                        process_count=jax.process_count())
+  shard_index, shard_count = partitioning.process_data_shard(mesh)
+  train_iter = data.make_train_iterator(config, process_index=shard_index,
+                                        process_count=shard_count)
   if restored is not None:
     state, data_state = restored
     train_iter.set_state(data_state)
@@ -299,13 +301,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   train_step = plan.jit_train_step(config.optimizer.grad_accum_steps)
   eval_step = jax.jit(make_eval_step(graphdef), in_shardings=(param_sh, batch_sh),
                       out_shardings=replicated)
-  eval_batches = data.make_eval_batches(config, process_index=jax.process_index(),
-                                        process_count=jax.process_count())
+  eval_batches = data.make_eval_batches(config, process_index=shard_index,
+                                        process_count=shard_count)
 
   def evaluate(step: int) -> dict[str, Any]:
     total, count = 0.0, 0.0
     for batch in eval_batches:
-      loss_sum, n = eval_step(state["params"], _place(batch, batch_sh))
+      loss_sum, n = eval_step(state["params"], _place(batch, batch_sh, config.batch_size))
       total, count = total + float(loss_sum), count + float(n)
     mean = total / max(count, 1.0)
     record = {"step": step, "eval_loss": mean, "eval_perplexity": math.exp(min(mean, 50.0))}
@@ -326,7 +328,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   interval_start, interval_steps = time.perf_counter(), 0
   try:
     for step in range(start + 1, config.total_steps + 1):
-      batch = _place(next(train_iter), batch_sh)
+      batch = _place(next(train_iter), batch_sh, config.batch_size)
       state, metrics = train_step(state, batch)
       pending.append((step, metrics))
       interval_steps += 1

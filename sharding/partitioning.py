@@ -87,6 +87,24 @@ def opt_state_shardings(tx: optax.GradientTransformation, opt_abstract, model_ab
       transform_non_params=lambda _: replicated)
 
 
+def process_data_shard(mesh: Mesh) -> tuple[int, int]:
+  """Which share of the global batch this process feeds: ``(index, count)``.
+
+  Processes whose devices sit at the same positions of the ``data`` axis (tensor parallelism
+  across processes) must feed the same rows; the count is the number of distinct groups.
+  """
+  data_axis = mesh.axis_names.index(DATA)
+  positions: dict[int, set[int]] = {}
+  for index in np.ndindex(mesh.devices.shape):
+    positions.setdefault(mesh.devices[index].process_index, set()).add(index[data_axis])
+  groups = sorted({tuple(sorted(p)) for p in positions.values()})
+  covered = sorted(i for g in groups for i in g)
+  if covered != list(range(mesh.shape[DATA])):
+    raise ValueError(f"processes cover the data axis unevenly: {groups}; choose a mesh whose "
+                     "data axis splits along process boundaries")
+  return groups.index(tuple(sorted(positions[jax.process_index()]))), len(groups)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Rows of a batch are split over ``data`` (and replicated over ``model``)."""
   return NamedSharding(mesh, P(DATA))

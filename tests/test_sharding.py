@@ -3,6 +3,7 @@ parameters and optimizer state carry the intended shardings, Megatron's collecti
 more, ZeRO-1 memory, checkpoints across meshes, and a real 2-process jax.distributed run."""
 
 import collections
+import json
 import os
 import re
 import socket
@@ -15,7 +16,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from helpers import ROOT
+from helpers import ROOT, run_script
 from recurrentgemma_jax import configlib, data, train
 from recurrentgemma_jax import model as model_lib
 from sharding import partitioning
@@ -168,21 +169,39 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def _two_processes(workdir, total_steps):
+TWO_PROCESS_ARGS = [
+    "--config.model.width=32", "--config.model.lru_width=32", "--config.model.num_layers=2",
+    "--config.model.num_heads=2", "--config.model.num_gate_blocks=2",
+    "--config.model.mlp_expanded_width=64", "--config.batch_size=4", "--config.seq_len=32",
+    "--config.checkpoint_every=2", "--config.log_every=1", "--config.eval_every=0",
+    "--config.data.eval_batches=1"]
+
+
+def _two_processes(workdir, total_steps, *extra):
   """``scripts/launch_gpus.sh`` as a user runs it, with two processes of one CPU device each."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", GPUS_PER_NODE="2",
              COORDINATOR=f"localhost:{_free_port()}", PYTHONUNBUFFERED="1")
   env.pop("XLA_FLAGS", None)
   proc = subprocess.run(
       ["bash", os.path.join(ROOT, "scripts", "launch_gpus.sh"), f"--workdir={workdir}",
-       "--config.model.width=32", "--config.model.lru_width=32", "--config.model.num_layers=2",
-       "--config.model.num_heads=2", "--config.model.num_gate_blocks=2",
-       "--config.model.mlp_expanded_width=64", "--config.batch_size=4", "--config.seq_len=32",
-       f"--config.total_steps={total_steps}", "--config.checkpoint_every=2",
-       "--config.log_every=1", "--config.eval_every=0", "--config.data.eval_batches=1"],
+       *TWO_PROCESS_ARGS, f"--config.total_steps={total_steps}", *extra],
       env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return proc.stdout
+
+
+def _losses(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  return [r["loss"] for r in records if "loss" in r]
+
+
+def test_tensor_parallel_across_two_processes_matches_one_process(tmp_path):
+  # Both processes hold the same rows (one data shard); the model is split between them.
+  _two_processes(tmp_path / "tp", 3, "--config.mesh.data=1", "--config.mesh.model=2")
+  run_script("train.py", f"--workdir={tmp_path / 'single'}", *TWO_PROCESS_ARGS,
+             "--config.total_steps=3")
+  np.testing.assert_allclose(_losses(tmp_path / "tp"), _losses(tmp_path / "single"), rtol=1e-5)
 
 
 def test_two_process_jax_distributed_run_trains_checkpoints_and_resumes(tmp_path):
