@@ -43,6 +43,15 @@ def attention_mask(segment_pos: Int[Array, "b t"], window: int | None) -> Bool[A
   return mask
 
 
+def _masked_attention(q, keys, values, mask, scale):
+  """``softmax(q k^T * scale)`` over the unmasked keys (float32 softmax), times the values.
+  q: [B, T, N, H]; keys, values: [B, S, H]; mask: broadcastable to [B, N, T, S]."""
+  logits = jnp.einsum("btnh,bsh->bnts", q, keys) * scale
+  logits = jnp.where(mask, logits, _MASKED).astype(layers.accumulation_dtype(q.dtype))
+  probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+  return jnp.einsum("bnts,bsh->btnh", probs, values)
+
+
 class AttentionCache(NamedTuple):
   """Keys and values of the last tokens (a ring buffer), with each slot's position in its
   document (-1: empty). Bounded by the window for local attention."""
@@ -81,16 +90,47 @@ class MQAttention(nnx.Module):
     q = apply_rope(self.proj_q(x).reshape(b, t, self.num_heads, self.head_dim), segment_pos)
     k = apply_rope(self.proj_k(x).reshape(b, t, 1, self.head_dim), segment_pos)[:, :, 0]
     v = self.proj_v(x).reshape(b, t, self.head_dim)
+    if cache is None and self.window is not None and t > 2 * self.window:
+      encoded = self._banded(q, k, v, segment_pos)
+      return self.proj_final(encoded.reshape(b, t, -1)), None
     if cache is None:
       keys, values, mask, new_cache = k, v, attention_mask(segment_pos, self.window), None
     else:
       keys, values, mask, new_cache = self._with_cache(k, v, segment_pos, cache)
-    logits = jnp.einsum("btnh,bsh->bnts", q, keys) * self.head_dim**-0.5
-    logits = jnp.where(mask[:, None], logits, _MASKED).astype(
-        layers.accumulation_dtype(x.dtype))
-    probs = jax.nn.softmax(logits, axis=-1).astype(x.dtype)
-    encoded = jnp.einsum("bnts,bsh->btnh", probs, values)
+    encoded = _masked_attention(q, keys, values, mask[:, None], self.head_dim**-0.5)
     return self.proj_final(encoded.reshape(b, t, -1)), new_cache
+
+  def _banded(self, q, k, v, segment_pos):
+    """Local attention in blocks of ``window`` queries, each seeing its own and the previous
+    block of keys: ``O(T * window)`` memory instead of ``O(T^2)``, the same result."""
+    b, t, n, h = q.shape
+    w = self.window
+    nb = -(-t // w)
+    pad = nb * w - t
+    doc = jnp.pad(layers.document_ids(segment_pos), ((0, 0), (0, pad)), constant_values=-1)
+    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, nb, w, n, h)
+
+    def with_previous(x, fill):  # [b, nb * w, ...] -> [b, nb, 2w, ...]
+      blocks = x.reshape(x.shape[0], nb, w, *x.shape[2:])
+      first = jnp.full_like(blocks[:, :1], fill)
+      return jnp.concatenate([jnp.concatenate([first, blocks[:, :-1]], axis=1), blocks], axis=2)
+
+    keys = with_previous(jnp.pad(k, ((0, 0), (0, pad), (0, 0))), 0)
+    values = with_previous(jnp.pad(v, ((0, 0), (0, pad), (0, 0))), 0)
+    key_doc = with_previous(doc, -1)
+    pos = jnp.arange(nb * w)
+    q_pos = pos.reshape(nb, w)
+    k_pos = with_previous(pos[None], -1)[0]  # [nb, 2w]
+    mask = ((k_pos[:, None, :] <= q_pos[:, :, None]) & (q_pos[:, :, None] <= k_pos[:, None, :] + w)
+            & (k_pos[:, None, :] >= 0))[None]
+    mask = mask & (doc.reshape(b, nb, w)[..., None] == key_doc[:, :, None, :]) & (
+        key_doc[:, :, None, :] >= 0)
+    logits = jnp.einsum("bcqnh,bckh->bcnqk", q, keys) * self.head_dim**-0.5
+    logits = jnp.where(mask[:, :, None], logits, _MASKED).astype(
+        layers.accumulation_dtype(q.dtype))
+    probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+    encoded = jnp.einsum("bcnqk,bckh->bcqnh", probs, values)
+    return encoded.reshape(b, nb * w, n, h)[:, :t]
 
   def _with_cache(self, k, v, segment_pos, cache: AttentionCache):
     """Keys, values and mask over ``cache + new tokens``, and the updated ring buffer."""

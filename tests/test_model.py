@@ -120,3 +120,18 @@ def test_config_errors_name_the_field():
   assert any("num_gate_blocks" in e for e in tiny_config(num_gate_blocks=5).errors())
   assert dataclasses.replace(tiny_config(), scan_impl="cuda").errors()[0].startswith(
       "model.scan_impl='cuda'")
+
+
+@pytest.mark.parametrize("t,window", [(17, 5), (9, 3), (64, 16)])
+def test_banded_local_attention_equals_dense(t, window):
+  from recurrentgemma_jax import attention
+  block = perturbed(attention.MQAttention(32, 4, window, rngs=nnx.Rngs(0)), seed=t)
+  x = jax.random.normal(jax.random.PRNGKey(t), (2, t, 32))
+  pos = jnp.stack([jnp.arange(t), jnp.concatenate([jnp.arange(t // 3), jnp.arange(t - t // 3)])])
+  banded, _ = block(x, pos)  # t > 2 * window: the O(T * window) path
+  q = attention.apply_rope(block.proj_q(x).reshape(2, t, 4, 8), pos)
+  k = attention.apply_rope(block.proj_k(x).reshape(2, t, 1, 8), pos)[:, :, 0]
+  v = block.proj_v(x).reshape(2, t, 8)
+  mask = attention.attention_mask(pos, window)[:, None]
+  dense = block.proj_final(attention._masked_attention(q, k, v, mask, 8**-0.5).reshape(2, t, -1))
+  np.testing.assert_allclose(banded, dense, atol=1e-5, rtol=1e-5)
