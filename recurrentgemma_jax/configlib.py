@@ -39,6 +39,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1              # Devices on the data axis (-1: the remaining devices).
   c.mesh.model = 1              # Devices on the model (tensor-parallel) axis (-1: the remaining).
+  c.mesh.slices = 1             # TPU slices (GPU: process groups) the data axis spans over DCN.
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.learning_rate = 1e-3   # Peak learning rate.
   c.optimizer.warmup_steps = 100     # Linear warmup from 0.
@@ -243,6 +244,11 @@ def _mesh_errors(mesh, device_count: int) -> list[str]:
   if device_count % fixed:
     return [f"mesh.data={mesh.data} x mesh.model={mesh.model} does not divide the "
             f"{device_count} devices"]
+  if not isinstance(mesh.slices, int) or mesh.slices <= 0:
+    return [f"mesh.slices={mesh.slices!r} must be a positive integer"]
+  data = device_count // max(mesh.model, 1) if mesh.data == -1 else mesh.data
+  if data % mesh.slices:
+    return [f"mesh.slices={mesh.slices} does not divide the data axis of {data} devices"]
   if -1 not in (mesh.data, mesh.model) and fixed != device_count:
     return [f"mesh.data={mesh.data} x mesh.model={mesh.model} = {fixed} but there are "
             f"{device_count} devices (use -1 for the remaining)"]

@@ -241,7 +241,11 @@ def setup(config: ml_collections.ConfigDict, devices=None) -> Setup:
   """Model, mesh, optimizer and the shardings of the train state (nothing allocated)."""
   tokenizer = data.make_tokenizer(config)
   model_cfg = configlib.model_config(config, tokenizer.vocab_size)
-  mesh = partitioning.make_mesh(config.mesh.data, config.mesh.model, devices)
+  try:
+    mesh = partitioning.make_mesh(config.mesh.data, config.mesh.model, devices,
+                                  slices=config.mesh.slices)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   if config.batch_size % mesh.shape[partitioning.DATA]:
     raise ConfigError(f"batch_size={config.batch_size} is not divisible by the "
                       f"{mesh.shape[partitioning.DATA]} devices on the data axis")

@@ -33,15 +33,33 @@ RULES: dict[str, str | None] = {
 DATA, MODEL = "data", "model"
 
 
-def make_mesh(data: int, model: int, devices=None) -> Mesh:
-  """A ``(data, model)`` mesh; -1 on one axis takes the remaining devices."""
+def make_mesh(data: int, model: int, devices=None, *, slices: int = 1) -> Mesh:
+  """A ``(data, model)`` mesh; -1 on one axis takes the remaining devices.
+
+  ``slices > 1`` spreads ``data`` over that many TPU slices (or, on GPUs and CPUs, groups of
+  processes) joined by the slower data-centre network: ``model`` and the rest of ``data`` stay
+  inside a slice, so only the data-parallel gradient reduction crosses the network.
+  """
   devices = list(jax.devices() if devices is None else devices)
   n = len(devices)
   data = n // model if data == -1 else data
   model = n // data if model == -1 else model
   if data * model != n:
     raise ValueError(f"mesh data={data} x model={model} does not use the {n} devices")
-  return Mesh(np.asarray(devices).reshape(data, model), (DATA, MODEL))
+  if slices == 1:
+    return Mesh(np.asarray(devices).reshape(data, model), (DATA, MODEL))
+  if data % slices:
+    raise ValueError(f"mesh.slices={slices} does not divide the data axis ({data})")
+  from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
+  # Multi-slice TPUs number their slices; elsewhere each process is one group.
+  by_process = len({getattr(d, "slice_index", 0) for d in devices}) == 1
+  granules = len({d.process_index if by_process else d.slice_index for d in devices})
+  if granules != slices:
+    raise ValueError(f"mesh.slices={slices} but the devices form {granules} "
+                     f"{'processes' if by_process else 'slices'}")
+  grid = mesh_utils.create_hybrid_device_mesh(
+      (data // slices, model), (slices, 1), devices, process_is_granule=by_process)
+  return Mesh(grid, (DATA, MODEL))
 
 
 def spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, *,

@@ -46,6 +46,7 @@ TRAIN_CASES = [
     (["--config.seq_len=-5"], "seq_len="),
     (["--config.zero=2"], "zero=2 is not one of 0|1|3"),
     (["--config.mesh.data=3"], "mesh.data=3"),
+    (["--config.mesh.slices=3"], "mesh.slices=3 does not divide the data axis"),
     (["--config.optimizer.schedule=linear"], "optimizer.schedule='linear' is not one of"),
     (["--config.optimizer.grad_accum_steps=3", "--config.batch_size=4"],
      "optimizer.grad_accum_steps=3 does not divide"),

@@ -196,6 +196,13 @@ def _losses(workdir):
   return [r["loss"] for r in records if "loss" in r]
 
 
+def test_data_axis_over_two_slices_trains_like_one_slice(tmp_path):
+  # Each process is a "slice" (a DCN granule): the data axis spans both over the network.
+  _two_processes(tmp_path / "dcn", 3, "--config.mesh.slices=2")
+  _two_processes(tmp_path / "flat", 3)
+  np.testing.assert_allclose(_losses(tmp_path / "dcn"), _losses(tmp_path / "flat"), rtol=1e-5)
+
+
 def test_tensor_parallel_across_two_processes_matches_one_process(tmp_path):
   # Both processes hold the same rows (one data shard); the model is split between them.
   _two_processes(tmp_path / "tp", 3, "--config.mesh.data=1", "--config.mesh.model=2")
