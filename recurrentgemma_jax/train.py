@@ -384,13 +384,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 def _initial_state(config, model_cfg, params_abstract, tx, state_sh):
   """Fresh parameters (or those of ``init_from``) and optimizer state, created sharded."""
 
-  def init():
-    params = nnx.state(model_lib.init_model(model_cfg, config.seed))
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
-
-  state = jax.jit(init, out_shardings=state_sh)()
   if config.init_from:
     params = ckpt_lib.restore_params(config.init_from, params_abstract, state_sh["params"])
-    state = {"step": state["step"], "params": params,
-             "opt_state": jax.jit(tx.init, out_shardings=state_sh["opt_state"])(params)}
-  return state
+  else:
+    params = jax.jit(lambda: nnx.state(model_lib.init_model(model_cfg, config.seed)),
+                     out_shardings=state_sh["params"])()
+  return {"step": jax.device_put(jnp.zeros((), jnp.int32), state_sh["step"]), "params": params,
+          "opt_state": jax.jit(tx.init, out_shardings=state_sh["opt_state"])(params)}

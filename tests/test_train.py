@@ -139,3 +139,50 @@ def test_non_finite_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path):
   saved = sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
   assert good < bad_step and (good == 0 or good in saved)
   assert all(s < bad_step for s in saved)
+
+
+def test_fine_tuning_starts_from_an_imported_official_checkpoint(tmp_path):
+  rg = pytest.importorskip("recurrentgemma.jax")
+  import jax.numpy as jnp
+  import numpy as np
+  import orbax.checkpoint as ocp
+  import sentencepiece as spm
+  from recurrentgemma_jax import checkpoint, configlib, data, train
+  from test_official_parity import _official_model_and_params
+
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("\n".join(f"line {i}: the cat sat on the mat {i % 7}" for i in range(300)))
+  spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"),
+                                 vocab_size=101, pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+                                 hard_vocab_limit=False, minloglevel=2)
+  _, params = _official_model_and_params(
+      [rg.TemporalBlockType.RECURRENT, rg.TemporalBlockType.ATTENTION], seed=5)
+  ocp.PyTreeCheckpointer().save(str(tmp_path / "official"), params)
+  run_script("import_recurrentgemma.py", f"--src={tmp_path / 'official'}",
+             f"--dst={tmp_path / 'imported'}", "--attention_window_size=5")
+
+  config = configlib.load(os.path.join(ROOT, "configs", "recurrentgemma.py") + ":2b")
+  config.model.update(width=48, lru_width=48 + 16, mlp_expanded_width=80, num_heads=4,
+                      num_gate_blocks=4, num_layers=2, block_types="recurrent,attention",
+                      attention_window_size=5, vocab_size=101, dtype="float32", remat="none")
+  config.update(init_from=str(tmp_path / "imported"), total_steps=1, batch_size=8, seq_len=16,
+                log_every=1, eval_every=0, checkpoint_every=1)
+  with open(tmp_path / "docs.jsonl", "w") as f:
+    for line in corpus.read_text().splitlines():
+      f.write(json.dumps({"text": line}) + "\n")
+  config.data.update(source="jsonl", paths=str(tmp_path / "docs.jsonl"),
+                     tokenizer=str(tmp_path / "sp.model"), eval_batches=1)
+  train.run(config, str(tmp_path / "run"))
+  first_loss = losses(tmp_path / "run")[1]
+
+  # The loss of step 1 is the imported model's loss on the first batch.
+  model, _ = checkpoint.load_model(str(tmp_path / "imported"), dtype="float32")
+  batch = next(data.make_train_iterator(config))
+  logits = model(jnp.asarray(batch["inputs"]), jnp.asarray(batch["segment_pos"]))
+  loss_sum, count = train.masked_cross_entropy(logits, jnp.asarray(batch["targets"]),
+                                               jnp.asarray(batch["loss_mask"]))
+  np.testing.assert_allclose(first_loss, float(loss_sum / count), rtol=1e-5)
+
+  config.model.width = 64  # a run whose shapes differ from the checkpoint is refused up front
+  with pytest.raises(Exception, match="init_from=.* has model.width=48 but this run has 64"):
+    configlib.validate(config)
