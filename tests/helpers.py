@@ -21,26 +21,38 @@ def run_script(name: str, *args: str, check: bool = True, timeout: int = 600,
   return proc
 
 
+_TINY_TFDS_BUILDER = None
+
+
 def build_tiny_tfds(root: str, train_docs: list[str], eval_docs: list[str]) -> str:
   """Prepares an ArrayRecord TFDS dataset ``data_test_tiny_text`` (splits train, validation)
-  under ``root``, as ``tfds build`` would for c4; GeneratorBasedBuilder needs no TensorFlow."""
+  under ``root``, as ``tfds build`` would for c4; GeneratorBasedBuilder needs no TensorFlow.
+
+  TFDS registers a builder class by name once per process, so the class is made once and
+  each call sets the documents it writes.
+  """
+  global _TINY_TFDS_BUILDER
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
-  class DataTestTinyText(tfds.core.GeneratorBasedBuilder):
-    VERSION = tfds.core.Version("1.0.0")
+  if _TINY_TFDS_BUILDER is None:
 
-    def _info(self):
-      features = tfds.features.FeaturesDict({"text": tfds.features.Text()})
-      return tfds.core.DatasetInfo(builder=self, features=features)
+    class DataTestTinyText(tfds.core.GeneratorBasedBuilder):
+      VERSION = tfds.core.Version("1.0.0")
+      documents: dict[str, list[str]] = {}
 
-    def _split_generators(self, dl_manager):
-      del dl_manager
-      return {"train": self._generate_examples(train_docs),
-              "validation": self._generate_examples(eval_docs)}
+      def _info(self):
+        features = tfds.features.FeaturesDict({"text": tfds.features.Text()})
+        return tfds.core.DatasetInfo(builder=self, features=features)
 
-    def _generate_examples(self, docs):
-      for i, doc in enumerate(docs):
-        yield i, {"text": doc}
+      def _split_generators(self, dl_manager):
+        del dl_manager
+        return {split: self._generate_examples(docs) for split, docs in self.documents.items()}
 
-  DataTestTinyText(data_dir=root, file_format="array_record").download_and_prepare()
+      def _generate_examples(self, docs):
+        for i, doc in enumerate(docs):
+          yield i, {"text": doc}
+
+    _TINY_TFDS_BUILDER = DataTestTinyText
+  _TINY_TFDS_BUILDER.documents = {"train": list(train_docs), "validation": list(eval_docs)}
+  _TINY_TFDS_BUILDER(data_dir=root, file_format="array_record").download_and_prepare()
   return root
