@@ -89,9 +89,15 @@ def restore_params(path: str, params_abstract: nnx.State, shardings=None) -> nnx
   except Exception as e:  # Orbax raises many types for a damaged or mismatched tree.
     raise CheckpointError(f"checkpoint {path!r}: cannot restore '{PARAMS}': "
                           f"{first_line(e)}") from None
-  params = jax.tree.map(lambda x: x, params_abstract)
-  nnx.replace_by_pure_dict(params, restored)
-  return params
+  return state_from_pure_dict(params_abstract, restored)
+
+
+def state_from_pure_dict(like: nnx.State, pure: dict) -> nnx.State:
+  """A parameter State shaped like ``like`` holding the arrays of the nested dict ``pure``
+  (the form parameters are saved in)."""
+  state = jax.tree.map(lambda x: x, like)  # a copy: replace_by_pure_dict works in place
+  nnx.replace_by_pure_dict(state, pure)
+  return state
 
 
 def load_model(path: str, **overrides) -> tuple[model_lib.Model, dict[str, Any]]:

@@ -196,8 +196,7 @@ class Checkpoints:
           os.rename(os.path.join(self.directory, str(step)), aside)
         self.manager.reload()
         continue
-      params = jax.tree.map(lambda x: x, abstract_state["params"])
-      nnx.replace_by_pure_dict(params, restored["params"])
+      params = ckpt_lib.state_from_pure_dict(abstract_state["params"], restored["params"])
       state = {"step": jnp.asarray(step, jnp.int32), "params": params,
                "opt_state": restored["opt_state"]}
       return state, restored["data"]
@@ -309,11 +308,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                                         process_count=shard_count)
 
   def evaluate(step: int) -> dict[str, Any]:
-    total, count = 0.0, 0.0
-    for batch in eval_batches:
-      loss_sum, n = eval_step(state["params"], _place(batch, batch_sh, config.batch_size))
-      total, count = total + float(loss_sum), count + float(n)
-    mean = total / max(count, 1.0)
+    sums = [eval_step(state["params"], _place(batch, batch_sh, config.batch_size))
+            for batch in eval_batches]
+    total, count = np.sum(jax.device_get(sums), axis=0)  # one host sync for all batches
+    mean = float(total) / max(float(count), 1.0)
     record = {"step": step, "eval_loss": mean, "eval_perplexity": math.exp(min(mean, 50.0))}
     writer.write(record)
     writer.message(f"step {step}: eval loss {mean:.4f}, perplexity {record['eval_perplexity']:.2f}")
