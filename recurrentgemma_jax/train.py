@@ -22,6 +22,7 @@ import ml_collections
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from recurrentgemma_jax import checkpoint as ckpt_lib
 from recurrentgemma_jax import configlib, data, flops
@@ -118,14 +119,15 @@ class MetricsWriter:
   def __init__(self, workdir: str, resume_step: int):
     self.path = os.path.join(workdir, "metrics.jsonl")
     self.tty = sys.stdout.isatty()
-    if os.path.exists(self.path):  # drop lines the resumed run will log again
+    self.primary = jax.process_index() == 0  # the one process that writes (shared workdir)
+    if self.primary and os.path.exists(self.path):  # drop lines the resumed run logs again
       with open(self.path) as f:
         kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
       with open(self.path + ".tmp", "w") as f:
         f.writelines(kept)
       os.replace(self.path + ".tmp", self.path)
     self.tb = None
-    if jax.process_index() == 0:
+    if self.primary:
       try:
         from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
         self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
@@ -133,7 +135,7 @@ class MetricsWriter:
         pass
 
   def write(self, record: dict[str, Any], progress: str | None = None) -> None:
-    if jax.process_index() != 0:
+    if not self.primary:
       return
     with open(self.path, "a") as f:
       f.write(json.dumps(record) + "\n")
@@ -149,7 +151,7 @@ class MetricsWriter:
         print(progress, flush=True)
 
   def message(self, text: str) -> None:
-    if jax.process_index() == 0:
+    if self.primary:
       print(("\n" if self.tty else "") + text, flush=True)
 
 
@@ -194,6 +196,8 @@ class Checkpoints:
             f"moved to {aside}, trying the previous one")
         if jax.process_index() == 0:
           os.rename(os.path.join(self.directory, str(step)), aside)
+        if jax.process_count() > 1:  # every process sees the move before reloading
+          multihost_utils.sync_global_devices(f"checkpoint {step} moved aside")
         self.manager.reload()
         continue
       params = ckpt_lib.state_from_pure_dict(abstract_state["params"], restored["params"])

@@ -186,7 +186,9 @@ def _two_processes(workdir, total_steps, *extra):
       ["bash", os.path.join(ROOT, "scripts", "launch_gpus.sh"), f"--workdir={workdir}",
        *TWO_PROCESS_ARGS, f"--config.total_steps={total_steps}", *extra],
       env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  # A failing process's traceback comes first; the other's shutdown-barrier noise follows it.
+  start = max(proc.stderr.find("Traceback"), 0)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[start:start + 4000]
   return proc.stdout
 
 
