@@ -44,6 +44,7 @@ class ScanConfig:
   gpu_block_d: int | None = None
   gpu_chunk: int | None = None
   gpu_num_warps: int | None = None
+  gpu_eviction: str | None = None  # Triton eviction policy of the row loads and stores
 
 
 def default_config(interpret: bool = False) -> ScanConfig:

@@ -54,7 +54,8 @@ def gpu_scan(step, streams, carries0, *, out_dtypes, reverse, config, lookahead,
   kernel = functools.partial(
       _kernel, step=step, n_streams=len(streams), has_lookahead=lookahead is not None,
       n_rows=len(rows), n_params=len(params), n_carries=len(carries0),
-      out_dtypes=tuple(out_dtypes), reverse=reverse, T=T, D=D, block_d=block_d, chunk=chunk)
+      out_dtypes=tuple(out_dtypes), reverse=reverse, T=T, D=D, block_d=block_d, chunk=chunk,
+      eviction=config.gpu_eviction)
   results = pl.pallas_call(
       kernel,
       out_shape=out_shape,
@@ -67,7 +68,7 @@ def gpu_scan(step, streams, carries0, *, out_dtypes, reverse, config, lookahead,
 
 
 def _kernel(*refs, step, n_streams, has_lookahead, n_rows, n_params, n_carries, out_dtypes,
-            reverse, T, D, block_d, chunk):
+            reverse, T, D, block_d, chunk, eviction):
   refs = list(refs)
 
   def take(n):
@@ -87,11 +88,11 @@ def _kernel(*refs, step, n_streams, has_lookahead, n_rows, n_params, n_carries, 
 
   def load(ref_at):
     if mask is None:
-      return plgpu.load(ref_at).astype(f32)
-    return plgpu.load(ref_at, mask=mask, other=0.0).astype(f32)
+      return plgpu.load(ref_at, eviction_policy=eviction).astype(f32)
+    return plgpu.load(ref_at, mask=mask, other=0.0, eviction_policy=eviction).astype(f32)
 
   def store(ref_at, value):
-    plgpu.store(ref_at, value.astype(ref_at.dtype), mask=mask)
+    plgpu.store(ref_at, value.astype(ref_at.dtype), mask=mask, eviction_policy=eviction)
 
   def time_of(s):  # scan position -> time index (an array: static ints trip the interpreter)
     return jnp.asarray(T - 1 - s if reverse else s, jnp.int32)

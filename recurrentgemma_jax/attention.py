@@ -52,6 +52,18 @@ def _masked_attention(q, keys, values, mask, scale):
   return jnp.einsum("bnts,bsh->btnh", probs, values)
 
 
+def fused_attention(q, k, v, segment_pos, window, scale, implementation=None):
+  """Within-row attention through ``jax.nn.dot_product_attention`` (``implementation="cudnn"``:
+  cuDNN's flash attention, bfloat16/float16 on NVIDIA GPUs; the T x T scores are never stored).
+  Causality and the window are the kernel's own masks; only the same-document mask of packed
+  rows is passed as a boolean mask. q: [B, T, N, H]; k, v: [B, T, H]."""
+  doc = layers.document_ids(segment_pos)
+  same_doc = (doc[:, :, None] == doc[:, None, :])[:, None]  # [B, 1, T, T]
+  return jax.nn.dot_product_attention(
+      q, k[:, :, None], v[:, :, None], mask=same_doc, scale=scale, is_causal=True,
+      local_window_size=None if window is None else (window, 0), implementation=implementation)
+
+
 class AttentionCache(NamedTuple):
   """Keys and values of the last tokens (a ring buffer), with each slot's position in its
   document (-1: empty). Bounded by the window for local attention."""
@@ -65,8 +77,10 @@ class MQAttention(nnx.Module):
   """``num_heads`` query heads of ``width // num_heads`` dims, one key/value head."""
 
   def __init__(self, width: int, num_heads: int, window: int | None, *, rngs: nnx.Rngs,
-               final_init_scale: float = 1.0, param_dtype=jnp.float32, dtype=jnp.float32):
+               final_init_scale: float = 1.0, param_dtype=jnp.float32, dtype=jnp.float32,
+               impl: str = "xla"):
     self.num_heads = num_heads
+    self.impl = impl
     self.head_dim = width // num_heads
     self.window = window
     self.dtype = dtype
@@ -90,6 +104,10 @@ class MQAttention(nnx.Module):
     q = apply_rope(self.proj_q(x).reshape(b, t, self.num_heads, self.head_dim), segment_pos)
     k = apply_rope(self.proj_k(x).reshape(b, t, 1, self.head_dim), segment_pos)[:, :, 0]
     v = self.proj_v(x).reshape(b, t, self.head_dim)
+    if cache is None and self.impl == "cudnn":
+      encoded = fused_attention(q, k, v, segment_pos, self.window, self.head_dim**-0.5,
+                                implementation="cudnn")
+      return self.proj_final(encoded.reshape(b, t, -1)), None
     if cache is None and self.window is not None and t > 2 * self.window:
       encoded = self._banded(q, k, v, segment_pos)
       return self.proj_final(encoded.reshape(b, t, -1)), None

@@ -202,10 +202,23 @@ def validate(config: ml_collections.ConfigDict, *, process_count: int = 1,
       if not errors and cfg.vocab_size < vocab:
         errors.append(f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
                       f"{vocab} ids")
+      if not errors and cfg.attention_impl == "cudnn":
+        errors += _cudnn_errors(cfg)
       if not errors and config.init_from:
         errors += _init_from_errors(config.init_from, cfg)
   if errors:
     raise ConfigError("\n".join(errors))
+
+
+def _cudnn_errors(cfg: model_lib.ModelConfig) -> list[str]:
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.default_backend() != "gpu":
+    return [f"model.attention_impl='cudnn' needs NVIDIA GPUs; this run's devices are "
+            f"{jax.default_backend()} (use model.attention_impl=xla)"]
+  if cfg.dtype not in ("bfloat16", "float16") or cfg.head_dim > 128:
+    return [f"model.attention_impl='cudnn' needs model.dtype bfloat16 or float16 (got "
+            f"{cfg.dtype!r}) and a head size of at most 128 (got {cfg.head_dim})"]
+  return []
 
 
 def _init_from_errors(path: str, cfg: model_lib.ModelConfig) -> list[str]:

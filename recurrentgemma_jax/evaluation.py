@@ -77,3 +77,21 @@ def plot_curve(path: str, curve: np.ndarray, *, train_len: int = 0, label: str =
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+@nnx.jit
+def _batch_hits(model, batch):
+  logits = model(batch["inputs"], batch["segment_pos"])
+  hits = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
+  return jnp.stack([jnp.sum(hits * batch["loss_mask"]), jnp.sum(batch["loss_mask"])])
+
+
+def masked_accuracy(model, batches) -> float:
+  """Fraction of the ``loss_mask`` tokens whose argmax prediction is the target, over model
+  batches (``inputs``, ``targets``, ``segment_pos``, ``loss_mask``; e.g. a synthetic task's
+  answers)."""
+  sums = [_batch_hits(model, {k: jnp.asarray(batch[k]) for k in
+                              ("inputs", "targets", "segment_pos", "loss_mask")})
+          for batch in batches]
+  hits, count = np.sum(jax.device_get(sums), axis=0)
+  return float(hits) / max(float(count), 1.0)

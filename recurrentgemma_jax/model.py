@@ -21,6 +21,7 @@ from recurrentgemma_jax import layers
 from recurrentgemma_jax import recurrent
 
 FAMILIES = ("griffin", "hawk", "mqa", "gla")
+ATTENTION_IMPLS = ("xla", "cudnn")
 BLOCK_TYPES = ("recurrent", "attention", "global_attention", "gla")
 REMAT_POLICIES = ("none", "block", "dots")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
@@ -65,6 +66,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   dtype: str = "bfloat16"
   scan_impl: str = "auto"
+  attention_impl: str = "xla"           # xla | cudnn (flash attention on NVIDIA GPUs)
   fused_rg_lru: bool = False
   remat: str = "none"
 
@@ -142,6 +144,9 @@ class ModelConfig:
       out.append(f"model.param_dtype={self.param_dtype!r} is not one of {'|'.join(DTYPES)}")
     if self.dtype not in DTYPES:
       out.append(f"model.dtype={self.dtype!r} is not one of {'|'.join(DTYPES)}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      out.append(f"model.attention_impl={self.attention_impl!r} is not one of "
+                 f"{'|'.join(ATTENTION_IMPLS)}")
     if self.scan_impl not in ("auto", "pallas", "xla_linear", "xla_associative"):
       out.append(f"model.scan_impl={self.scan_impl!r} is not one of "
                  "auto|pallas|xla_linear|xla_associative")
@@ -190,7 +195,7 @@ def make_temporal_block(block_type: str, cfg: ModelConfig, rngs: nnx.Rngs, **kw)
   if block_type in ("attention", "global_attention"):
     window = cfg.attention_window_size if block_type == "attention" else None
     return attention.MQAttention(cfg.width, cfg.num_heads, window, rngs=rngs,
-                                 final_init_scale=final, **kw)
+                                 final_init_scale=final, impl=cfg.attention_impl, **kw)
   if block_type == "gla":
     from recurrentgemma_jax import gla  # pylint: disable=g-import-not-at-top
     return gla.GLABlock(cfg, rngs=rngs, final_init_scale=final, **kw)

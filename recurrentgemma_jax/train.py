@@ -106,10 +106,15 @@ def make_train_step(graphdef, tx, schedule, accum_steps: int):
 
 
 def make_eval_step(graphdef):
+  """``(params, batch) -> [loss sum, token count, correct count]`` over the masked tokens
+  (correct: the argmax is the target; for the synthetic tasks, the answer accuracy)."""
+
   def step(params, batch):
     model = nnx.merge(graphdef, params)
     logits = model(batch["inputs"], batch["segment_pos"])
-    return masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+    total, count = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+    hits = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
+    return jnp.stack([total, count, jnp.sum(hits * batch["loss_mask"])])
   return step
 
 
@@ -314,11 +319,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   def evaluate(step: int) -> dict[str, Any]:
     sums = [eval_step(state["params"], _place(batch, batch_sh, config.batch_size))
             for batch in eval_batches]
-    total, count = np.sum(jax.device_get(sums), axis=0)  # one host sync for all batches
-    mean = float(total) / max(float(count), 1.0)
-    record = {"step": step, "eval_loss": mean, "eval_perplexity": math.exp(min(mean, 50.0))}
+    total, count, correct = np.sum(jax.device_get(sums), axis=0)  # one host sync in all
+    count = max(float(count), 1.0)
+    mean = float(total) / count
+    record = {"step": step, "eval_loss": mean, "eval_perplexity": math.exp(min(mean, 50.0)),
+              "eval_accuracy": float(correct) / count}
     writer.write(record)
-    writer.message(f"step {step}: eval loss {mean:.4f}, perplexity {record['eval_perplexity']:.2f}")
+    writer.message(f"step {step}: eval loss {mean:.4f}, perplexity {record['eval_perplexity']:.2f}, "
+                   f"accuracy {record['eval_accuracy']:.4f}")
     return record
 
   meta = {"tokenizer": config.data.tokenizer, "config": config.to_json()}

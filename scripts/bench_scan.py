@@ -1,6 +1,6 @@
 """Benchmarks the RG-LRU scan kernels on a GPU against recurrentgemma 1.0.1 and XLA.
 
-    python scripts/bench_scan.py --out DIR [--ts 2048,8192,32768] [--check] [--sweep 128:4,256:8]
+    python scripts/bench_scan.py --out DIR [--ts 2048,8192,32768] [--check] [--sweep 256:4,256:4:32:evict_first]
 
 Rows (B=8, D=2560, bfloat16 inputs, float32 carry), forward and forward+backward (the VJP with a
 random cotangent for y): our ``linear_scan`` and fused ``rg_lru``; recurrentgemma's
@@ -189,20 +189,23 @@ def sweep(iters, candidates):
   inp = make_inputs(jax.random.PRNGKey(0), T)
   zeros = jnp.zeros((B, D), jnp.float32)
   results = []
-  for block_d, warps in candidates:
-    config = scan_core.ScanConfig(backend="gpu", gpu_block_d=block_d, gpu_num_warps=warps)
+  for candidate in candidates:
+    block_d, warps, chunk, eviction = (list(candidate) + [None, None])[:4]
+    config = scan_core.ScanConfig(backend="gpu", gpu_block_d=int(block_d),
+                                  gpu_num_warps=int(warps), gpu_chunk=int(chunk) if chunk else None,
+                                  gpu_eviction=eviction or None)
     f = jax.jit(lambda x, a, h0, config=config: scan_linear.linear_scan_with_config(
         x, a, h0, False, config))
     start = time.perf_counter()
     jax.block_until_ready(f(inp["x"], inp["a"], zeros))
     compile_s = time.perf_counter() - start
     ms = time_fn(f, inp["x"], inp["a"], zeros, iters=iters)
-    results.append((ms, block_d, warps))
-    print(f"  sweep scan fwd block_d={block_d} warps={warps}: {ms:.3f} ms "
+    results.append((ms, str(config), config))
+    print(f"  sweep scan fwd {':'.join(map(str, candidate))}: {ms:.3f} ms "
           f"({3 * units(T) / ms / 1e9:.2f} TB/s; first call {compile_s:.1f} s)", flush=True)
-  ms, block_d, warps = min(results)
-  print(f"BEST block_d={block_d} warps={warps}: {ms:.3f} ms", flush=True)
-  return scan_core.ScanConfig(backend="gpu", gpu_block_d=block_d, gpu_num_warps=warps)
+  ms, _, config = min(results)
+  print(f"BEST {config}: {ms:.3f} ms", flush=True)
+  return config
 
 
 def import_recurrentgemma_scan():
@@ -275,7 +278,8 @@ def main():
   parser.add_argument("--iters", type=int, default=30)
   parser.add_argument("--check", action="store_true")
   parser.add_argument("--sweep", default="",
-                      help="block_d:num_warps candidates for the GPU kernels, e.g. 128:4,256:8")
+                      help="block_d:num_warps[:chunk[:eviction]] candidates for the GPU kernels, "
+                      "e.g. 128:4,256:4:32:evict_first")
   args = parser.parse_args()
   os.makedirs(args.out, exist_ok=True)
   device = jax.devices()[0]
@@ -286,7 +290,7 @@ def main():
   print(f"HBM copy ceiling: {ceiling:.2f} TB/s", flush=True)
   config = scan_core.default_config()
   if args.sweep:
-    candidates = [tuple(map(int, c.split(":"))) for c in args.sweep.split(",")]
+    candidates = [tuple(c.split(":")) for c in args.sweep.split(",")]
     config = sweep(args.iters, candidates)
   rg_scan = import_recurrentgemma_scan()
   rows_by_t = {}

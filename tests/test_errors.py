@@ -54,6 +54,8 @@ TRAIN_CASES = [
     (["--config.init_from=/nonexistent/ckpt"], "init_from='/nonexistent/ckpt' does not exist"),
     (["--config.init_from={root}/not_a_checkpoint"], "'model_config' is empty"),
     (["--config.model.scan_impl=cuda"], "model.scan_impl='cuda' is not one of"),
+    (["--config.model.attention_impl=flash"], "model.attention_impl='flash' is not one of"),
+    (["--config.model.attention_impl=cudnn"], "model.attention_impl='cudnn' needs NVIDIA GPUs"),
     (["--config.model.dtype=float16"], "model.dtype='float16' is not one of"),
     (["--config.model.family=gla", "--config.model.gla_expand_k=0.3"], "model.gla_expand_k=0.3"),
     (["--config.data.source=synthetic", "--config.data.synthetic.task=sorting"],

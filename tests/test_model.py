@@ -135,3 +135,26 @@ def test_banded_local_attention_equals_dense(t, window):
   mask = attention.attention_mask(pos, window)[:, None]
   dense = block.proj_final(attention._masked_attention(q, k, v, mask, 8**-0.5).reshape(2, t, -1))
   np.testing.assert_allclose(banded, dense, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_fused_attention_arguments_give_our_masks(window):
+  # The cudnn path (attention_impl=cudnn) passes exactly these arguments to
+  # jax.nn.dot_product_attention; its XLA implementation checks their meaning here: causal,
+  # window + 1 keys including the query, nothing across documents, gradients included.
+  from recurrentgemma_jax import attention
+  rng = np.random.default_rng(7)
+  q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32)
+             for s in ((2, 23, 3, 8), (2, 23, 8), (2, 23, 8)))
+  pos = jnp.stack([jnp.arange(23), jnp.concatenate([jnp.arange(9), jnp.arange(14)])])
+
+  def ours(q, k, v):
+    mask = attention.attention_mask(pos, window)[:, None]
+    return jnp.sum(jnp.sin(attention._masked_attention(q, k, v, mask, 0.3)))
+
+  def fused(q, k, v):
+    return jnp.sum(jnp.sin(attention.fused_attention(q, k, v, pos, window, 0.3, "xla")))
+
+  np.testing.assert_allclose(fused(q, k, v), ours(q, k, v), rtol=1e-5)
+  for g_fused, g_ours in zip(jax.grad(fused, (0, 1, 2))(q, k, v), jax.grad(ours, (0, 1, 2))(q, k, v)):
+    np.testing.assert_allclose(g_fused, g_ours, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,215 @@
+"""The Griffin paper's synthetic tasks (section 6.2, Fig. 6): trains the MQA baseline, Hawk and
+Griffin (5 blocks of width 64) on Selective Copying and Induction Heads, then measures answer
+accuracy at the training length and beyond it.
+
+  python scripts/synthetic.py --out DIR [--tasks selective_copying,induction_heads]
+      [--models mqa,hawk,griffin] [--steps TASK=N,...] [--parallel N]
+      [--lengths TASK=L1,L2,...] [--eval_rows 512] [--time_limit SECONDS] [--tiny]
+
+Each run is ``scripts/train.py --config configs/synthetic.py:TASK`` in ``DIR/TASK/MODEL`` (its
+log in ``train.log`` there); rerunning resumes unfinished runs and re-evaluates. ``--parallel``
+runs that many trainings at once (the models are tiny; on a GPU they share it);
+``--time_limit`` stops the trainings still running after that many seconds (SIGTERM: each saves
+its step and exits; rerun to continue). Then each latest checkpoint is evaluated on ``--eval_rows`` held-out rows per length. Writes ``DIR/synthetic.md``
+(the table), ``DIR/synthetic.json``, ``DIR/learning.png`` (held-out answer accuracy against
+training step, Fig. 6(a)) and ``DIR/lengths.png`` (accuracy against evaluation length,
+Fig. 6(b)). ``--tiny`` (a CPU check of the script): few steps, short rows.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+MODELS = {  # the paper's three 5-block models; Griffin's local attention is the third block
+    "mqa": "global_attention," * 4 + "global_attention",
+    "hawk": "recurrent," * 4 + "recurrent",
+    "griffin": "recurrent,recurrent,attention,recurrent,recurrent",
+}
+TASKS = ("selective_copying", "induction_heads")
+DEFAULT_LENGTHS = {"selective_copying": (1024, 2048, 4096),
+                   "induction_heads": (256, 512, 1024, 2048, 4096)}
+
+
+def _per_task(text, cast):
+  """``"task=a,b;task2=c"`` (or ``task=N,task2=M`` for scalars) -> {task: value}."""
+  out = {}
+  for part in filter(None, text.replace(";", " ").split()):
+    task, _, value = part.partition("=")
+    if task not in TASKS:
+      sys.exit(f"error: {task!r} is not one of {'|'.join(TASKS)}")
+    out[task] = cast(value)
+  return out
+
+
+def train_overrides(task, model, args):
+  over = [f"--config.model.block_types={MODELS[model]}"]
+  if task in args.steps:
+    over.append(f"--config.total_steps={args.steps[task]}")
+  if args.tiny:
+    seq = 64 if task == "selective_copying" else 32
+    over += [f"--config.seq_len={seq}", "--config.data.synthetic.num_tokens_to_copy=4",
+             "--config.batch_size=8", "--config.eval_every=10", "--config.log_every=10",
+             "--config.checkpoint_every=20", "--config.model.attention_window_size=16",
+             "--config.data.eval_batches=1"]
+    if task not in args.steps:
+      over.append("--config.total_steps=20")
+  return over
+
+
+def train_all(runs, args):
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  if args.parallel > 1:  # several processes on one GPU: share its memory
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  waiting, active, failed = list(runs), [], []
+  deadline = time.time() + args.time_limit if args.time_limit else None
+  while waiting or active:
+    if deadline and time.time() > deadline:
+      for task, model, proc, _ in active:
+        print(f"{task} / {model}: time limit, stopping (rerun to continue)", flush=True)
+        proc.terminate()
+      waiting.clear()
+      deadline = None
+    while waiting and len(active) < args.parallel:
+      task, model, workdir = waiting.pop(0)
+      os.makedirs(workdir, exist_ok=True)
+      cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+             f"--config={os.path.join(ROOT, 'configs', 'synthetic.py')}:{task}",
+             f"--workdir={workdir}", *train_overrides(task, model, args)]
+      log = open(os.path.join(workdir, "train.log"), "a")
+      active.append((task, model, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                   env=env, cwd=ROOT), time.time()))
+      print(f"training {task} / {model} -> {workdir}", flush=True)
+    time.sleep(2)
+    for item in list(active):
+      task, model, proc, start = item
+      if proc.poll() is not None:
+        active.remove(item)
+        status = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
+        print(f"{task} / {model}: {status} in {time.time() - start:.0f} s", flush=True)
+        if proc.returncode:
+          failed.append((task, model))
+  return failed
+
+
+def accuracy_at_lengths(task, model, workdir, lengths, args):
+  from recurrentgemma_jax import checkpoint, configlib, data, evaluation  # pylint: disable=g-import-not-at-top
+  config = configlib.load(os.path.join(ROOT, "configs", "synthetic.py") + f":{task}")
+  configlib.override(config, train_overrides(task, model, args))
+  net, _ = checkpoint.load_model(workdir)
+  batch_rows = min(args.eval_rows, 32)
+  config.batch_size = batch_rows
+  config.data.eval_batches = max(1, args.eval_rows // batch_rows)
+  out = {}
+  for length in lengths:
+    config.data.synthetic.eval_seq_len = length
+    out[length] = evaluation.masked_accuracy(net, data.make_eval_batches(config))
+  return out
+
+
+def learning_curve(workdir):
+  """``(last trained step, [(step, held-out answer accuracy), ...])``."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  last = max((r["step"] for r in records), default=0)
+  return last, [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
+
+
+def write_report(out, results, steps_done, curves, lengths, args):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  lines = []
+  for task in args.tasks:
+    lens = lengths[task]
+    lines += [f"**{task}** (trained at length {lens[0]})", "",
+              "| model | steps | " + " | ".join(f"L={n}" for n in lens) + " |",
+              "|---|---|" + "---|" * len(lens)]
+    for model in args.models:
+      acc = results.get((task, model))
+      steps = steps_done.get((task, model), "-")
+      cells = [f"{acc[n]:.3f}" for n in lens] if acc else ["failed"] * len(lens)
+      lines.append(f"| {model} | {steps} | " + " | ".join(cells) + " |")
+    lines.append("")
+  table = "\n".join(lines)
+  with open(os.path.join(out, "synthetic.md"), "w") as f:
+    f.write(table)
+  with open(os.path.join(out, "synthetic.json"), "w") as f:
+    json.dump({f"{t}/{m}": {"accuracy": {str(k): v for k, v in acc.items()},
+                            "curve": curves.get((t, m), [])}
+               for (t, m), acc in results.items()}, f, indent=1)
+  print(table)
+
+  fig, axes = plt.subplots(1, len(args.tasks), figsize=(5 * len(args.tasks), 3.5), squeeze=False)
+  for ax, task in zip(axes[0], args.tasks):
+    for model in args.models:
+      curve = curves.get((task, model))
+      if curve:
+        ax.plot(*zip(*curve), marker=".", label=model)
+    ax.set(title=task, xlabel="training step", ylabel="held-out answer accuracy", ylim=(0, 1.02))
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "learning.png"), dpi=120)
+
+  fig, axes = plt.subplots(1, len(args.tasks), figsize=(5 * len(args.tasks), 3.5), squeeze=False)
+  for ax, task in zip(axes[0], args.tasks):
+    for model in args.models:
+      acc = results.get((task, model))
+      if acc:
+        ax.plot(list(acc), list(acc.values()), marker="o", label=model)
+    ax.axvline(lengths[task][0], color="grey", linestyle=":", label="train length")
+    ax.set(title=task, xlabel="evaluation length", ylabel="answer accuracy", xscale="log",
+           ylim=(0, 1.02))
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "lengths.png"), dpi=120)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--tasks", default=",".join(TASKS))
+  parser.add_argument("--models", default=",".join(MODELS))
+  parser.add_argument("--steps", default="", help="TASK=N,... (default: the config's)")
+  parser.add_argument("--lengths", default="", help="TASK=L1,L2,...;TASK2=... (first: train)")
+  parser.add_argument("--parallel", type=int, default=1, help="trainings run at once")
+  parser.add_argument("--eval_rows", type=int, default=512)
+  parser.add_argument("--time_limit", type=float, default=0,
+                      help="seconds after which running trainings are stopped (0: none)")
+  parser.add_argument("--skip_training", action="store_true", help="only evaluate and report")
+  parser.add_argument("--tiny", action="store_true", help="a quick CPU check of the script")
+  args = parser.parse_args()
+  args.tasks = [t for t in args.tasks.split(",") if t]
+  args.models = [m for m in args.models.split(",") if m]
+  for name, allowed in (("--tasks", TASKS), ("--models", tuple(MODELS))):
+    bad = [x for x in getattr(args, name[2:]) if x not in allowed]
+    if bad:
+      sys.exit(f"error: {name} has {bad[0]!r}; allowed: {'|'.join(allowed)}")
+  args.steps = _per_task(args.steps.replace(",", " "), int)
+  lengths = {t: DEFAULT_LENGTHS[t] if not args.tiny else
+             ((64, 128) if t == "selective_copying" else (32, 64, 128)) for t in TASKS}
+  lengths.update(_per_task(args.lengths, lambda v: tuple(int(x) for x in v.split(","))))
+
+  runs = [(t, m, os.path.join(args.out, t, m)) for t in args.tasks for m in args.models]
+  failed = [] if args.skip_training else train_all(runs, args)
+  results, steps_done, curves = {}, {}, {}
+  for task, model, workdir in runs:
+    if (task, model) in failed:
+      continue
+    steps_done[(task, model)], curves[(task, model)] = learning_curve(workdir)
+    results[(task, model)] = accuracy_at_lengths(task, model, workdir, lengths[task], args)
+    print(f"{task} / {model}: " + ", ".join(f"L={n} {a:.3f}"
+                                             for n, a in results[(task, model)].items()),
+          flush=True)
+  write_report(args.out, results, steps_done, curves, lengths, args)
+  sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+  main()
