@@ -31,7 +31,8 @@ PEAK_FLOPS = {
     "TPU v6 lite": 918e12,  # v6e (Trillium)
     "TPU v6e": 918e12,
     "A100": 312e12,
-    "H100": 989e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,  # SXM (device kind "NVIDIA H100 80GB HBM3")
     "H200": 989e12,
 }
 

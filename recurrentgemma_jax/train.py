@@ -238,6 +238,20 @@ class Setup:
   def batch_sharding(self):
     return partitioning.batch_sharding(self.mesh)
 
+  def initial_state(self, config: ml_collections.ConfigDict) -> dict:
+    """Fresh parameters (or those of ``config.init_from``) and optimizer state, created
+    sharded."""
+    param_sh = self.state_shardings["params"]
+    if config.init_from:
+      params = ckpt_lib.restore_params(config.init_from, self.params_abstract, param_sh)
+    else:
+      params = jax.jit(lambda: nnx.state(model_lib.init_model(self.model_cfg, config.seed)),
+                       out_shardings=param_sh)()
+    return {"step": jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings["step"]),
+            "params": params,
+            "opt_state": jax.jit(self.tx.init,
+                                 out_shardings=self.state_shardings["opt_state"])(params)}
+
   def jit_train_step(self, accum_steps: int):
     replicated = self.state_shardings["step"]
     return jax.jit(make_train_step(self.graphdef, self.tx, self.schedule, accum_steps),
@@ -296,7 +310,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     start = int(state["step"])
     log(f"resuming from {checkpoints.directory}/{start}")
   else:
-    state = _initial_state(config, model_cfg, plan.params_abstract, plan.tx, state_sh)
+    state = plan.initial_state(config)
     start = 0
 
   n_params = sum(x.size for x in jax.tree.leaves(plan.params_abstract))
@@ -389,15 +403,3 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                    f"entropy of the held-out tokens is {data.unigram_entropy(config):.4f}")
   writer.message(f"done: step {config.total_steps}, checkpoints in {checkpoints.directory}")
   return last_record
-
-
-def _initial_state(config, model_cfg, params_abstract, tx, state_sh):
-  """Fresh parameters (or those of ``init_from``) and optimizer state, created sharded."""
-
-  if config.init_from:
-    params = ckpt_lib.restore_params(config.init_from, params_abstract, state_sh["params"])
-  else:
-    params = jax.jit(lambda: nnx.state(model_lib.init_model(model_cfg, config.seed)),
-                     out_shardings=state_sh["params"])()
-  return {"step": jax.device_put(jnp.zeros((), jnp.int32), state_sh["step"]), "params": params,
-          "opt_state": jax.jit(tx.init, out_shardings=state_sh["opt_state"])(params)}

@@ -305,8 +305,7 @@ class Bench:
            "flops_per_token": flops.train_flops_per_token(cfg, seq_len)}
     try:
       if state is None:
-        state = train._initial_state(config, cfg, plan.params_abstract, plan.tx,  # pylint: disable=protected-access
-                                     plan.state_shardings)
+        state = plan.initial_state(config)
       batch = self.random_batch(rows, seq_len, cfg.vocab_size, plan.batch_sharding)
       state, stats = self.time_compiled(plan.jit_train_step(config.optimizer.grad_accum_steps),
                                         state, batch)

@@ -5,6 +5,7 @@ accuracy at the training length and beyond it.
   python scripts/synthetic.py --out DIR [--tasks selective_copying,induction_heads]
       [--models mqa,hawk,griffin] [--steps TASK=N,...] [--parallel N]
       [--lengths TASK=L1,L2,...] [--eval_rows 512] [--time_limit SECONDS] [--tiny]
+      [--config.FIELD=VALUE ...]   (passed to every training run, e.g. --config.batch_size=16)
 
 Each run is ``scripts/train.py --config configs/synthetic.py:TASK`` in ``DIR/TASK/MODEL`` (its
 log in ``train.log`` there); rerunning resumes unfinished runs and re-evaluates. ``--parallel``
@@ -48,7 +49,7 @@ def _per_task(text, cast):
 
 
 def train_overrides(task, model, args):
-  over = [f"--config.model.block_types={MODELS[model]}"]
+  over = [f"--config.model.block_types={MODELS[model]}", *args.config_overrides]
   if task in args.steps:
     over.append(f"--config.total_steps={args.steps[task]}")
   if args.tiny:
@@ -184,7 +185,10 @@ def main():
                       help="seconds after which running trainings are stopped (0: none)")
   parser.add_argument("--skip_training", action="store_true", help="only evaluate and report")
   parser.add_argument("--tiny", action="store_true", help="a quick CPU check of the script")
-  args = parser.parse_args()
+  args, rest = parser.parse_known_args()
+  args.config_overrides = [r for r in rest if r.startswith("--config.") and "=" in r]
+  if len(args.config_overrides) != len(rest):
+    sys.exit(f"error: unknown arguments {rest}; training fields are given as --config.FIELD=VALUE")
   args.tasks = [t for t in args.tasks.split(",") if t]
   args.models = [m for m in args.models.split(",") if m]
   for name, allowed in (("--tasks", TASKS), ("--models", tuple(MODELS))):

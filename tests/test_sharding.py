@@ -42,8 +42,7 @@ def small_config(**overrides):
 
 def losses_on(config, devices, steps=3):
   plan = train.setup(config, devices)
-  state = train._initial_state(config, plan.model_cfg, plan.params_abstract, plan.tx,
-                               plan.state_shardings)
+  state = plan.initial_state(config)
   step_fn = plan.jit_train_step(1)
   batches = data.make_train_iterator(config)
   out = []
