@@ -341,3 +341,30 @@ def test_iterators_refuse_bad_configs(tmp_path):
     data.make_train_iterator(make_config(source="jsonl", paths=str(tmp_path / "*.jsonl")))
   with pytest.raises(ConfigError, match="no eval documents"):
     data.make_eval_batches(make_config(eval_fraction=1e-9))
+
+
+def test_masked_accuracy_counts_argmax_hits_on_answer_tokens_only():
+  # A stand-in "model" whose logits put all mass on a chosen token per position.
+  from recurrentgemma_jax import evaluation
+  import jax.numpy as jnp
+  from flax import nnx
+
+  class Oracle(nnx.Module):
+    def __init__(self, predictions, vocab):
+      self.predictions = nnx.Variable(jnp.asarray(predictions))
+      self.vocab = vocab
+
+    def __call__(self, tokens, segment_pos):
+      del tokens, segment_pos
+      return jnp.eye(self.vocab)[self.predictions.value]
+
+  rng = np.random.default_rng(3)
+  targets = rng.integers(0, 7, (4, 9))
+  predictions = np.where(rng.random((4, 9)) < 0.5, targets, (targets + 1) % 7)
+  mask = (rng.random((4, 9)) < 0.4).astype(np.float32)
+  mask[0, 0] = 1.0
+  batch = {"inputs": targets, "targets": targets, "segment_pos": np.zeros_like(targets),
+           "loss_mask": mask}
+  expected = ((predictions == targets) * mask).sum() / mask.sum()
+  got = evaluation.masked_accuracy(Oracle(predictions, 7), [batch, batch])
+  np.testing.assert_allclose(got, expected, rtol=1e-6)

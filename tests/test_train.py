@@ -97,6 +97,7 @@ def test_every_family_trains_with_the_same_command(tmp_path, family):
     assert {"step", "loss", "tokens_per_sec", "step_time_s", "mfu"} <= set(m)
     assert m["loss"] > 0 and m["tokens_per_sec"] > 0
   assert metrics[-1]["step"] == 3 and metrics[-1]["eval_loss"] > 0
+  assert 0 <= metrics[-1]["eval_accuracy"] <= 1
   assert os.listdir(tmp_path / "tensorboard")
 
 
