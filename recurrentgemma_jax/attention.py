@@ -73,6 +73,9 @@ class AttentionCache(NamedTuple):
   positions: Int[Array, "b s"]
 
 
+BAND_BLOCK = 256  # queries per block of banded local attention
+
+
 class MQAttention(nnx.Module):
   """``num_heads`` query heads of ``width // num_heads`` dims, one key/value head."""
 
@@ -81,6 +84,8 @@ class MQAttention(nnx.Module):
                impl: str = "xla"):
     self.num_heads = num_heads
     self.impl = impl
+    # Local attention longer than the band's keys runs banded (``_banded``).
+    self.band_block = min(window, BAND_BLOCK) if window else None
     self.head_dim = width // num_heads
     self.window = window
     self.dtype = dtype
@@ -108,7 +113,7 @@ class MQAttention(nnx.Module):
       encoded = fused_attention(q, k, v, segment_pos, self.window, self.head_dim**-0.5,
                                 implementation="cudnn")
       return self.proj_final(encoded.reshape(b, t, -1)), None
-    if cache is None and self.window is not None and t > 2 * self.window:
+    if cache is None and self.window is not None and t > self._band_keys:
       encoded = self._banded(q, k, v, segment_pos)
       return self.proj_final(encoded.reshape(b, t, -1)), None
     if cache is None:
@@ -118,37 +123,50 @@ class MQAttention(nnx.Module):
     encoded = _masked_attention(q, keys, values, mask[:, None], self.head_dim**-0.5)
     return self.proj_final(encoded.reshape(b, t, -1)), new_cache
 
-  def _banded(self, q, k, v, segment_pos):
-    """Local attention in blocks of ``window`` queries, each seeing its own and the previous
-    block of keys: ``O(T * window)`` memory instead of ``O(T^2)``, the same result."""
-    b, t, n, h = q.shape
-    w = self.window
-    nb = -(-t // w)
-    pad = nb * w - t
-    doc = jnp.pad(layers.document_ids(segment_pos), ((0, 0), (0, pad)), constant_values=-1)
-    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, nb, w, n, h)
+  @property
+  def _band_keys(self) -> int:
+    """Keys each query block of ``_banded`` sees."""
+    return (-(-self.window // self.band_block) + 1) * self.band_block
 
-    def with_previous(x, fill):  # [b, nb * w, ...] -> [b, nb, 2w, ...]
-      blocks = x.reshape(x.shape[0], nb, w, *x.shape[2:])
-      first = jnp.full_like(blocks[:, :1], fill)
-      return jnp.concatenate([jnp.concatenate([first, blocks[:, :-1]], axis=1), blocks], axis=2)
+  def _banded(self, q, k, v, segment_pos):
+    """Local attention in blocks of ``band_block`` queries, each seeing its own key block and
+    the ``ceil(window / band_block)`` before it: ``O(T * (window + band_block))`` scores instead
+    of ``O(T^2)``, the same result."""
+    b, t, n, h = q.shape
+    w, bq = self.window, self.band_block
+    n_prev = -(-w // bq)
+    nb = -(-t // bq)
+    pad = nb * bq - t
+    doc = jnp.pad(layers.document_ids(segment_pos), ((0, 0), (0, pad)), constant_values=-1)
+    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, nb, bq, n, h)
+
+    def with_previous(x, fill):  # [b, nb * bq, ...] -> [b, nb, (n_prev + 1) * bq, ...]
+      blocks = x.reshape(x.shape[0], nb, bq, *x.shape[2:])
+      parts = []
+      for j in range(n_prev, 0, -1):  # the block j before, filled before the row starts
+        if j >= nb:
+          parts.append(jnp.full_like(blocks, fill))
+        else:
+          front = jnp.full_like(blocks[:, :j], fill)
+          parts.append(jnp.concatenate([front, blocks[:, :-j]], axis=1))
+      return jnp.concatenate(parts + [blocks], axis=2)
 
     keys = with_previous(jnp.pad(k, ((0, 0), (0, pad), (0, 0))), 0)
     values = with_previous(jnp.pad(v, ((0, 0), (0, pad), (0, 0))), 0)
     key_doc = with_previous(doc, -1)
-    pos = jnp.arange(nb * w)
-    q_pos = pos.reshape(nb, w)
-    k_pos = with_previous(pos[None], -1)[0]  # [nb, 2w]
+    pos = jnp.arange(nb * bq)
+    q_pos = pos.reshape(nb, bq)
+    k_pos = with_previous(pos[None], -1)[0]  # [nb, (n_prev + 1) * bq]
     mask = ((k_pos[:, None, :] <= q_pos[:, :, None]) & (q_pos[:, :, None] <= k_pos[:, None, :] + w)
             & (k_pos[:, None, :] >= 0))[None]
-    mask = mask & (doc.reshape(b, nb, w)[..., None] == key_doc[:, :, None, :]) & (
+    mask = mask & (doc.reshape(b, nb, bq)[..., None] == key_doc[:, :, None, :]) & (
         key_doc[:, :, None, :] >= 0)
     logits = jnp.einsum("bcqnh,bckh->bcnqk", q, keys) * self.head_dim**-0.5
     logits = jnp.where(mask[:, :, None], logits, _MASKED).astype(
         layers.accumulation_dtype(q.dtype))
     probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
     encoded = jnp.einsum("bcnqk,bckh->bcqnh", probs, values)
-    return encoded.reshape(b, nb * w, n, h)[:, :t]
+    return encoded.reshape(b, nb * bq, n, h)[:, :t]
 
   def _with_cache(self, k, v, segment_pos, cache: AttentionCache):
     """Keys, values and mask over ``cache + new tokens``, and the updated ring buffer."""

@@ -122,13 +122,17 @@ def test_config_errors_name_the_field():
       "model.scan_impl='cuda'")
 
 
-@pytest.mark.parametrize("t,window", [(17, 5), (9, 3), (64, 16)])
-def test_banded_local_attention_equals_dense(t, window):
+@pytest.mark.parametrize("t,window,band_block", [(17, 5, None), (9, 3, None), (64, 16, None),
+                                                 (23, 9, 4), (30, 7, 3), (50, 12, 12)])
+def test_banded_local_attention_equals_dense(t, window, band_block):
   from recurrentgemma_jax import attention
   block = perturbed(attention.MQAttention(32, 4, window, rngs=nnx.Rngs(0)), seed=t)
+  if band_block:  # query blocks smaller than the window, not dividing it or T
+    block.band_block = band_block
+  assert t > block._band_keys  # the O(T * (window + band_block)) path runs
   x = jax.random.normal(jax.random.PRNGKey(t), (2, t, 32))
   pos = jnp.stack([jnp.arange(t), jnp.concatenate([jnp.arange(t // 3), jnp.arange(t - t // 3)])])
-  banded, _ = block(x, pos)  # t > 2 * window: the O(T * window) path
+  banded, _ = block(x, pos)
   q = attention.apply_rope(block.proj_q(x).reshape(2, t, 4, 8), pos)
   k = attention.apply_rope(block.proj_k(x).reshape(2, t, 1, 8), pos)[:, :, 0]
   v = block.proj_v(x).reshape(2, t, 8)
