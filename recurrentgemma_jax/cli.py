@@ -22,6 +22,20 @@ def user_errors():
     sys.exit(2)
 
 
+def split_config_flags(args: list[str]) -> tuple[list[str], list[str]]:
+  """``(overrides, unknown)``: ``--config.a.b=v`` and ``--config.a.b v`` (joined to the first
+  form) versus every other argument."""
+  overrides, unknown = [], []
+  i = 0
+  while i < len(args):
+    item = args[i]
+    if item.startswith("--config.") and "=" not in item and i + 1 < len(args):
+      item, i = f"{item}={args[i + 1]}", i + 1
+    (overrides if item.startswith("--config.") else unknown).append(item)
+    i += 1
+  return overrides, unknown
+
+
 def parse_bool(value: str) -> bool:
   lowered = str(value).lower()
   if lowered in ("1", "true", "yes", "on"):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from recurrentgemma_jax import train
 from recurrentgemma_jax.errors import ConfigError
 
 
@@ -79,19 +80,13 @@ def plot_curve(path: str, curve: np.ndarray, *, train_len: int = 0, label: str =
   plt.close(fig)
 
 
-@nnx.jit
-def _batch_hits(model, batch):
-  logits = model(batch["inputs"], batch["segment_pos"])
-  hits = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
-  return jnp.stack([jnp.sum(hits * batch["loss_mask"]), jnp.sum(batch["loss_mask"])])
-
-
 def masked_accuracy(model, batches) -> float:
   """Fraction of the ``loss_mask`` tokens whose argmax prediction is the target, over model
   batches (``inputs``, ``targets``, ``segment_pos``, ``loss_mask``; e.g. a synthetic task's
-  answers)."""
-  sums = [_batch_hits(model, {k: jnp.asarray(batch[k]) for k in
-                              ("inputs", "targets", "segment_pos", "loss_mask")})
-          for batch in batches]
-  hits, count = np.sum(jax.device_get(sums), axis=0)
+  answers): the training job's evaluation step, on a model."""
+  graphdef, params = nnx.split(model)
+  eval_step = jax.jit(train.make_eval_step(graphdef))
+  fields = ("inputs", "targets", "segment_pos", "loss_mask")
+  sums = [eval_step(params, {k: jnp.asarray(batch[k]) for k in fields}) for batch in batches]
+  _, count, hits = np.sum(jax.device_get(sums), axis=0)
   return float(hits) / max(float(count), 1.0)

@@ -71,13 +71,21 @@ def masked_cross_entropy(logits, targets, mask):
 
 
 def make_train_step(graphdef, tx, schedule, accum_steps: int):
-  """``(state, batch) -> (state, metrics)``; the batch is split into ``accum_steps``
-  micro-batches whose gradients are summed before one optimizer update."""
+  """``(state, batch) -> (state, metrics)`` for the model ``graphdef``; see
+  ``train_step_from_loss``."""
 
   def loss_sum(params, micro):
     model = nnx.merge(graphdef, params)
     logits = model(micro["inputs"], micro["segment_pos"])
     return masked_cross_entropy(logits, micro["targets"], micro["loss_mask"])
+
+  return train_step_from_loss(loss_sum, tx, schedule, accum_steps)
+
+
+def train_step_from_loss(loss_sum, tx, schedule, accum_steps: int):
+  """``(state, batch) -> (state, metrics)`` from ``loss_sum(params, batch) -> (summed loss,
+  token count)``; the batch is split into ``accum_steps`` micro-batches whose gradients are
+  summed before one optimizer update."""
 
   grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
 

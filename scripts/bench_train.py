@@ -54,6 +54,9 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from recurrentgemma_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+from recurrentgemma_jax.errors import first_line  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 FAMILIES = ("griffin", "hawk", "mqa", "gla")
 # Size label -> the preset name each family has for it (presets.PAPER_SIZES / GLA_SIZES).
 SIZE_ALIASES = {"400m": {"gla": "340m"}, "1b": {"griffin": "1.3b", "hawk": "1.3b",
@@ -83,11 +86,6 @@ def out_of_memory(e: BaseException) -> bool:
   return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
-def first_line(e: BaseException, limit: int = 160) -> str:
-  text = str(e).strip()
-  return (text.splitlines()[0][:limit] if text else "") or type(e).__name__
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True)
@@ -113,14 +111,7 @@ def main():
                       help="seconds after which no new row starts (0: none)")
   parser.add_argument("--tiny", action="store_true", help="tiny models, for a CPU check")
   args, rest = parser.parse_known_args()
-  overrides, bad = [], []
-  i = 0
-  while i < len(rest):  # --config.a.b=v and --config.a.b v, as scripts/train.py
-    item = rest[i]
-    if item.startswith("--config.") and "=" not in item and i + 1 < len(rest):
-      item, i = f"{item}={rest[i + 1]}", i + 1
-    (overrides if item.startswith("--config.") else bad).append(item)
-    i += 1
+  overrides, bad = cli.split_config_flags(rest)
   if bad:
     parser.error(f"unknown argument {bad[0]!r}")
   args.overrides = overrides
@@ -394,7 +385,6 @@ class Bench:
     """The official Griffin's training step on the anchor architecture (``config`` is ours,
     for the optimizer, the accumulation and the model FLOPs)."""
     import itertools  # pylint: disable=g-import-not-at-top
-    import optax  # pylint: disable=g-import-not-at-top
     import recurrentgemma.jax as rg  # pylint: disable=g-import-not-at-top
     from recurrentgemma_jax import configlib, flops, train  # pylint: disable=g-import-not-at-top
     jax, jnp = self.jax, self.jax.numpy
@@ -411,7 +401,7 @@ class Bench:
     model = rg.Griffin(rg_cfg, gradient_checkpointing=True, dtype=jnp.bfloat16,
                        param_dtype=jnp.float32)
     rows, seq_len, accum = config.batch_size, config.seq_len, config.optimizer.grad_accum_steps
-    tx, _ = train.make_optimizer(config.optimizer, config.total_steps)
+    tx, schedule = train.make_optimizer(config.optimizer, config.total_steps)
     row = dict(base, micro_batches=accum, remat="block (gradient_checkpointing)",
                version=_version("recurrentgemma"),
                scan=rg_cfg.scan_type.name.lower(),
@@ -422,25 +412,7 @@ class Bench:
                               return_cache=False)
       return train.masked_cross_entropy(logits, micro["targets"], micro["loss_mask"])
 
-    grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
-
-    def step(state, batch):  # the structure of train.make_train_step
-      params = state["params"]
-      micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
-
-      def accumulate(carry, mb):
-        (loss, count), grads = grad_fn(params, mb)
-        acc_loss, acc_count, acc_grads = carry
-        return (acc_loss + loss, acc_count + count,
-                jax.tree.map(jnp.add, acc_grads, grads)), None
-
-      zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-      (loss, count, grads), _ = jax.lax.scan(accumulate, (0.0, 0.0, zeros), micro)
-      count = jnp.maximum(count, 1.0)
-      grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, params)
-      updates, opt_state = tx.update(grads, state["opt_state"], params)
-      return ({"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
-               "opt_state": opt_state}, {"loss": loss / count})
+    step = train.train_step_from_loss(loss_sum, tx, schedule, accum)  # ours, official loss
 
     try:
       init_len = min(seq_len, 16)  # parameters do not depend on T

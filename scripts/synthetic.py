@@ -27,6 +27,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from recurrentgemma_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 MODELS = {  # the paper's three 5-block models; Griffin's local attention is the third block
     "mqa": "global_attention," * 4 + "global_attention",
     "hawk": "recurrent," * 4 + "recurrent",
@@ -186,9 +188,10 @@ def main():
   parser.add_argument("--skip_training", action="store_true", help="only evaluate and report")
   parser.add_argument("--tiny", action="store_true", help="a quick CPU check of the script")
   args, rest = parser.parse_known_args()
-  args.config_overrides = [r for r in rest if r.startswith("--config.") and "=" in r]
-  if len(args.config_overrides) != len(rest):
-    sys.exit(f"error: unknown arguments {rest}; training fields are given as --config.FIELD=VALUE")
+  args.config_overrides, unknown = cli.split_config_flags(rest)
+  if unknown:
+    sys.exit(f"error: unknown argument {unknown[0]!r}; training fields are given as "
+             "--config.FIELD=VALUE")
   args.tasks = [t for t in args.tasks.split(",") if t]
   args.models = [m for m in args.models.split(",") if m]
   for name, allowed in (("--tasks", TASKS), ("--models", tuple(MODELS))):

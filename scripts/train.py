@@ -24,14 +24,7 @@ def main(argv=None) -> None:
   parser.add_argument("--config", default=os.path.join(ROOT, "configs", "default.py"))
   parser.add_argument("--workdir", default="workdir")
   args, rest = parser.parse_known_args(argv)
-  overrides, bad = [], []
-  i = 0
-  while i < len(rest):  # accept --config.a.b=v and --config.a.b v
-    item = rest[i]
-    if item.startswith("--config.") and "=" not in item and i + 1 < len(rest):
-      item, i = f"{item}={rest[i + 1]}", i + 1
-    (overrides if item.startswith("--config.") else bad).append(item)
-    i += 1
+  overrides, bad = cli.split_config_flags(rest)
   if bad:
     print(f"error: unknown argument {bad[0]!r} (use --config.FIELD=VALUE to set a field)",
           file=sys.stderr)
