@@ -44,8 +44,10 @@ to 0.92 unless it is set.
 
 import argparse
 import gc
+import glob
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -110,6 +112,9 @@ def main():
   parser.add_argument("--deadline", type=float, default=0,
                       help="seconds after which no new row starts (0: none)")
   parser.add_argument("--tiny", action="store_true", help="tiny models, for a CPU check")
+  parser.add_argument("--profile", action="store_true",
+                      help="also trace 2 steps of each row with jax.profiler and write "
+                           "OUT/profile_<row>.md (scripts/profile_summary.py)")
   args, rest = parser.parse_known_args()
   overrides, bad = cli.split_config_flags(rest)
   if bad:
@@ -251,7 +256,7 @@ class Bench:
     fn = jax.jit(make, out_shardings=sharding) if sharding is not None else jax.jit(make)
     return fn(jax.random.key(seed))
 
-  def time_compiled(self, jitted, state, batch):
+  def time_compiled(self, jitted, state, batch, name="step"):
     """Compiles, warms up and times; returns (state, stats). ``state`` is donated."""
     jax = self.jax
     t0 = time.perf_counter()
@@ -278,10 +283,36 @@ class Bench:
       jax.block_until_ready(state)
       times.append(time.perf_counter() - t)
     loss = float(metrics["loss"])
+    if self.args.profile:
+      state = self.profile(compiled, state, batch, name)
     del compiled
     return state, {"compile_s": compile_s, "trace_s": trace_s,
                    "step_s": statistics.median(times),
                    "step_times_s": times, "loss": loss, "memory_gib": memory}
+
+  def profile(self, compiled, state, batch, name, steps=2):
+    """Traces ``steps`` more steps; writes OUT/profile_<name>.md and prints its first lines."""
+    import re  # pylint: disable=g-import-not-at-top
+    import profile_summary  # pylint: disable=g-import-not-at-top  (scripts/, beside this file)
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
+    trace_dir = os.path.join(self.args.out, "traces", name)
+    with self.jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      for _ in range(steps):
+        state, _ = compiled(state, batch)
+      self.jax.block_until_ready(state)
+    with open(os.path.join(self.args.out, f"hlo_{name}.txt"), "w") as f:
+      f.write(compiled.as_text())  # to look up what a fusion in the profile holds
+    for path in glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
+                          recursive=True):
+      shutil.copy(path, os.path.join(self.args.out, f"trace_{name}.json.gz"))
+    try:
+      text = profile_summary.summarize(trace_dir, steps)
+    except Exception as e:  # pylint: disable=broad-except  (a profile is extra, never fatal)
+      text = f"no summary: {first_line(e)}"
+    with open(os.path.join(self.args.out, f"profile_{name}.md"), "w") as f:
+      f.write(f"# {name}\n\n{text}\n")
+    print("\n".join(text.splitlines()[:24]), flush=True)
+    return state
 
   def our_row(self, label, size_label, config, state=None):
     """Times one config; returns (row, state or None). A given state (same model) is reused."""
@@ -299,7 +330,7 @@ class Bench:
         state = plan.initial_state(config)
       batch = self.random_batch(rows, seq_len, cfg.vocab_size, plan.batch_sharding)
       state, stats = self.time_compiled(plan.jit_train_step(config.optimizer.grad_accum_steps),
-                                        state, batch)
+                                        state, batch, f"{label}_{size_label}_T{seq_len}")
       del batch
     except Exception as e:  # pylint: disable=broad-except  (a row fails, the sweep goes on)
       state = None
@@ -423,7 +454,8 @@ class Bench:
       state = {"step": jnp.zeros((), jnp.int32), "params": params,
                "opt_state": jax.jit(tx.init)(params)}
       batch = self.random_batch(rows, seq_len, m.vocab_size)
-      state, stats = self.time_compiled(jax.jit(step, donate_argnums=0), state, batch)
+      state, stats = self.time_compiled(jax.jit(step, donate_argnums=0), state, batch,
+                                        f"official_T{seq_len}")
       del state, batch
     except Exception as e:  # pylint: disable=broad-except
       row["status"] = "OOM" if out_of_memory(e) else f"error: {first_line(e)}"

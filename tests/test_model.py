@@ -162,3 +162,17 @@ def test_fused_attention_arguments_give_our_masks(window):
   np.testing.assert_allclose(fused(q, k, v), ours(q, k, v), rtol=1e-5)
   for g_fused, g_ours in zip(jax.grad(fused, (0, 1, 2))(q, k, v), jax.grad(ours, (0, 1, 2))(q, k, v)):
     np.testing.assert_allclose(g_fused, g_ours, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_impl_auto_picks_xla_off_gpus_and_explicit_choices_stand():
+  # (On an NVIDIA GPU of compute capability >= 8.0, auto picks cudnn for bfloat16 models.)
+  cfg = model_lib.ModelConfig(vocab_size=64, width=32, num_heads=2, num_layers=2,
+                              dtype="bfloat16")
+  assert cfg.attention_impl == "auto"
+  assert cfg.resolved_attention_impl == ("cudnn" if jax.default_backend() == "gpu" else "xla")
+  assert dataclasses.replace(cfg, dtype="float32").resolved_attention_impl == "xla"
+  for impl in ("xla", "cudnn"):
+    assert dataclasses.replace(cfg, attention_impl=impl).resolved_attention_impl == impl
+  blocks = model_lib.Model(dataclasses.replace(cfg, block_types=("attention",) * 2),
+                            rngs=nnx.Rngs(0)).blocks
+  assert {b.temporal.impl for b in blocks} == {"xla"}
