@@ -6,7 +6,7 @@ official recurrentgemma Griffin side by side with ours.
       [--seq_lens 2048,4096,8192] [--tokens_per_step 32768] [--steps 10] [--warmup 2]
       [--remat none|block|dots] [--rows_per_microbatch N] [--vocab_size 32768]
       [--anchor] [--anchor_only] [--anchor_rows 32] [--anchor_scan auto] [--deadline S]
-      [--tiny] [--config.FIELD=VALUE ...]
+      [--profile] [--tiny] [--config.FIELD=VALUE ...]
 
 Sweep: for each family and size (``400m`` is the Griffin paper's 400M for griffin/hawk/mqa and
 the GLA paper's 340M for gla; ``1b`` is 1.3B; any other preset name is used as is), the
@@ -37,7 +37,10 @@ The ratio of tokens/s (ours / official) is printed (issue #7 asks for at least 1
 ``--rows_per_microbatch N`` accumulates gradients over micro-batches of N rows
 (``optimizer.grad_accum_steps = rows / N``) in every row. ``--deadline S`` starts no new row
 after S seconds (the rest read "skipped"). Writes DIR/train.md, DIR/train.json and
-DIR/train.png (tokens/s against T), rewritten after every row. ``--tiny`` shrinks the models,
+DIR/train.png (tokens/s against T), rewritten after every row. ``--profile`` also traces 2 more steps of every row with
+``jax.profiler`` and writes DIR/profile_<row>.md (device time by kind of kernel and the top
+kernels, ``scripts/profile_summary.py``), the Perfetto trace DIR/trace_<row>.json.gz and the
+compiled HLO DIR/hlo_<row>.txt (to look up what a fusion holds). ``--tiny`` shrinks the models,
 T to 64 and 128 and the steps, for a CPU check of the script. Sets XLA_PYTHON_CLIENT_MEM_FRACTION
 to 0.92 unless it is set.
 """
