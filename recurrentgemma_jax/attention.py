@@ -109,7 +109,8 @@ class MQAttention(nnx.Module):
     q = apply_rope(self.proj_q(x).reshape(b, t, self.num_heads, self.head_dim), segment_pos)
     k = apply_rope(self.proj_k(x).reshape(b, t, 1, self.head_dim), segment_pos)[:, :, 0]
     v = self.proj_v(x).reshape(b, t, self.head_dim)
-    if cache is None and self.impl == "cudnn":
+    # (cuDNN takes the same-document mask only for an even length: odd rows use the XLA path.)
+    if cache is None and self.impl == "cudnn" and t % 2 == 0:
       encoded = fused_attention(q, k, v, segment_pos, self.window, self.head_dim**-0.5,
                                 implementation="cudnn")
       return self.proj_final(encoded.reshape(b, t, -1)), None

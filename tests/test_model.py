@@ -176,3 +176,14 @@ def test_attention_impl_auto_picks_xla_off_gpus_and_explicit_choices_stand():
   blocks = model_lib.Model(dataclasses.replace(cfg, block_types=("attention",) * 2),
                             rngs=nnx.Rngs(0)).blocks
   assert {b.temporal.impl for b in blocks} == {"xla"}
+
+
+def test_cudnn_attention_rows_of_odd_length_take_the_xla_path():
+  # cuDNN refuses its document mask for odd lengths; such rows must give the XLA result (on the
+  # CPU an even length would reach cuDNN and fail, so only the odd-length branch runs here).
+  from recurrentgemma_jax import attention
+  xla = perturbed(attention.MQAttention(32, 4, 6, rngs=nnx.Rngs(0), impl="xla"), seed=1)
+  cudnn = perturbed(attention.MQAttention(32, 4, 6, rngs=nnx.Rngs(0), impl="cudnn"), seed=1)
+  x = jax.random.normal(jax.random.PRNGKey(3), (2, 13, 32))
+  pos = jnp.stack([jnp.arange(13), jnp.concatenate([jnp.arange(5), jnp.arange(8)])])
+  np.testing.assert_array_equal(cudnn(x, pos)[0], xla(x, pos)[0])
