@@ -92,9 +92,10 @@ class BlockDiagonalLinear(nnx.Module):
   """
 
   def __init__(self, width_in: int, width_out: int, num_blocks: int, *, rngs: nnx.Rngs,
-               param_dtype=jnp.float32, dtype=jnp.float32):
+               param_dtype=jnp.float32, dtype=jnp.float32, impl: str = "xla"):
     self.num_blocks = num_blocks
     self.dtype = dtype
+    self.impl = impl  # xla | pallas (pallas_kernels.block_diagonal; interpreted off GPUs)
     self.w = param(rngs, fan_in_normal(1.0),
                    (num_blocks, width_in // num_blocks, width_out // num_blocks), param_dtype,
                    ("blocks", None, None))
@@ -102,10 +103,16 @@ class BlockDiagonalLinear(nnx.Module):
 
   def __call__(self, x: Float[Array, "*b t d"]) -> Float[Array, "*b t f"]:
     x = x.astype(self.dtype)
+    w = self.w.value.astype(self.dtype)
+    bias = self.b.value.astype(self.dtype).reshape(-1)
+    if self.impl == "pallas":
+      from pallas_kernels import block_diagonal  # pylint: disable=g-import-not-at-top
+      if block_diagonal.supported(*w.shape[1:]):
+        return block_diagonal.block_diagonal_matmul(
+            x, w, interpret=jax.default_backend() != "gpu") + bias
     xb = x.reshape(*x.shape[:-1], self.num_blocks, -1)
-    y = jnp.einsum("...hi,hij->...hj", xb, self.w.value.astype(self.dtype))
-    y = y + self.b.value.astype(self.dtype)
-    return y.reshape(*x.shape[:-1], -1)
+    y = jnp.einsum("...hi,hij->...hj", xb, w)
+    return y.reshape(*x.shape[:-1], -1) + bias
 
 
 def document_ids(segment_pos: Int[Array, "b t"]) -> Int[Array, "b t"]:

@@ -79,6 +79,7 @@ class ModelConfig:
   scan_impl: str = "auto"
   attention_impl: str = "auto"          # auto | xla | cudnn (flash attention on NVIDIA GPUs)
   fused_rg_lru: bool = False
+  gate_impl: str = "xla"                # xla | pallas: the RG-LRU's block-diagonal gate matmuls
   remat: str = "none"
 
   @property
@@ -167,6 +168,8 @@ class ModelConfig:
     if self.attention_impl not in ATTENTION_IMPLS:
       out.append(f"model.attention_impl={self.attention_impl!r} is not one of "
                  f"{'|'.join(ATTENTION_IMPLS)}")
+    if self.gate_impl not in ("xla", "pallas"):
+      out.append(f"model.gate_impl={self.gate_impl!r} is not one of xla|pallas")
     if self.scan_impl not in ("auto", "pallas", "xla_linear", "xla_associative"):
       out.append(f"model.scan_impl={self.scan_impl!r} is not one of "
                  "auto|pallas|xla_linear|xla_associative")
@@ -215,7 +218,7 @@ def make_temporal_block(block_type: str, cfg: ModelConfig, rngs: nnx.Rngs, **kw)
     return recurrent.RecurrentBlock(
         cfg.width, cfg.resolved_lru_width, cfg.resolved_gate_blocks, rngs=rngs,
         conv1d_temporal_width=cfg.conv1d_temporal_width, final_init_scale=final,
-        scan_impl=cfg.scan_impl, fused_rg_lru=cfg.fused_rg_lru, **kw)
+        scan_impl=cfg.scan_impl, fused_rg_lru=cfg.fused_rg_lru, gate_impl=cfg.gate_impl, **kw)
   if block_type in ("attention", "global_attention"):
     window = cfg.attention_window_size if block_type == "attention" else None
     return attention.MQAttention(cfg.width, cfg.num_heads, window, rngs=rngs,

@@ -70,14 +70,15 @@ class RGLRU(nnx.Module):
   """Real-Gated Linear Recurrent Unit over ``width`` channels."""
 
   def __init__(self, width: int, num_blocks: int, *, rngs: nnx.Rngs, scan_impl: str = "auto",
-               fused: bool = False, param_dtype=jnp.float32, dtype=jnp.float32):
+               fused: bool = False, gate_impl: str = "xla", param_dtype=jnp.float32,
+               dtype=jnp.float32):
     self.scan_impl = scan_impl
     self.fused = fused
     self.dtype = dtype
     self.a_param = layers.param(rngs, a_param_init(), (width,), param_dtype, ("lru",))
     kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
-    self.input_gate = layers.BlockDiagonalLinear(width, width, num_blocks, **kw)
-    self.a_gate = layers.BlockDiagonalLinear(width, width, num_blocks, **kw)
+    self.input_gate = layers.BlockDiagonalLinear(width, width, num_blocks, impl=gate_impl, **kw)
+    self.a_gate = layers.BlockDiagonalLinear(width, width, num_blocks, impl=gate_impl, **kw)
 
   def __call__(
       self,
@@ -121,7 +122,7 @@ class RecurrentBlock(nnx.Module):
 
   def __init__(self, width: int, lru_width: int, num_blocks: int, *, rngs: nnx.Rngs,
                conv1d_temporal_width: int = 4, final_init_scale: float = 1.0,
-               scan_impl: str = "auto", fused_rg_lru: bool = False,
+               scan_impl: str = "auto", fused_rg_lru: bool = False, gate_impl: str = "xla",
                param_dtype=jnp.float32, dtype=jnp.float32):
     kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
     self.linear_y = layers.Dense(width, lru_width, axes=("embed", "lru"), **kw)
@@ -129,7 +130,8 @@ class RecurrentBlock(nnx.Module):
     self.linear_out = layers.Dense(lru_width, width, axes=("lru", "embed"),
                                    init_scale=final_init_scale, **kw)
     self.conv_1d = layers.Conv1D(lru_width, conv1d_temporal_width, **kw)
-    self.rg_lru = RGLRU(lru_width, num_blocks, scan_impl=scan_impl, fused=fused_rg_lru, **kw)
+    self.rg_lru = RGLRU(lru_width, num_blocks, scan_impl=scan_impl, fused=fused_rg_lru,
+                        gate_impl=gate_impl, **kw)
 
   def __call__(
       self,

@@ -1,0 +1,125 @@
+"""Block-diagonal matmul on the GPU without moving activations between layouts (custom VJP).
+
+``block_diagonal_matmul(x, w) -> y`` with ``x: [N, H*I]``, ``w: [H, I, J]``, ``y: [N, H*J]``:
+``y[:, h*J:(h+1)*J] = x[:, h*I:(h+1)*I] @ w[h]``, float32 accumulation, ``y`` in ``x``'s dtype.
+These are the RG-LRU gates. XLA computes them as a batched matmul over ``h``, so it
+moves the ``[N, H, I]`` activations to ``[H, N, I]`` and back, forward and backward. On an H100
+those transposes, plus the matmuls, took 4.8% of a Griffin-1.3B training step
+(docs/performance.md).
+
+Here each program reads its ``[rows, I]`` tile straight out of ``x``'s rows (a strided tile, each
+row piece contiguous) and multiplies it by ``w[h]``:
+
+- forward and ``dx``: grid ``(N / rows, H)``, ``y_tile = x_tile @ w[h]`` (``dx`` uses
+  ``w[h]^T``);
+- ``dw``: grid ``(N / (rows * steps), H)``. Each program accumulates ``x_tile^T dy_tile`` over
+  ``steps`` row tiles in float32 and writes one partial ``[I, J]``. The partials are summed
+  outside, over ``N / (rows * steps)``.
+
+Triton lowering (``interpret=True``: Pallas' generic interpreter, used by the tests on the CPU).
+``I`` and ``J`` must be powers of two of at least 16 (``supported``); ``N`` is padded inside.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_ROWS = 128        # rows per tile
+_DW_STEPS = 8      # row tiles per dw program
+
+
+def supported(in_block: int, out_block: int) -> bool:
+  """Whether the kernels take blocks of this size (Triton's dot needs powers of two >= 16)."""
+  def ok(n):
+    return n >= 16 and n & (n - 1) == 0
+  return ok(in_block) and ok(out_block)
+
+
+def _matmul_kernel(x_ref, w_ref, y_ref):
+  y_ref[...] = pl.dot(x_ref[...], w_ref[0]).astype(y_ref.dtype)
+
+
+def _blocks(x, w, interpret):
+  """``y`` of the docstring for ``x: [N, H*I]`` with ``N`` a multiple of ``_ROWS``."""
+  n = x.shape[0]
+  h, i, j = w.shape
+  return pl.pallas_call(
+      _matmul_kernel,
+      out_shape=jax.ShapeDtypeStruct((n, h * j), x.dtype),
+      grid=(n // _ROWS, h),
+      in_specs=[pl.BlockSpec((_ROWS, i), lambda r, b: (r, b)),
+                pl.BlockSpec((1, i, j), lambda r, b: (b, 0, 0))],
+      out_specs=pl.BlockSpec((_ROWS, j), lambda r, b: (r, b)),
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4),
+      interpret=interpret,
+  )(x, w.astype(x.dtype))
+
+
+def _dw_kernel(x_ref, dy_ref, dw_ref):
+  def body(s, acc):
+    rows = pl.ds(s * _ROWS, _ROWS)
+    return acc + pl.dot(x_ref[rows, :], dy_ref[rows, :], trans_a=True)
+
+  i, j = dw_ref.shape[-2:]
+  dw_ref[0, 0] = jax.lax.fori_loop(0, _DW_STEPS, body, jnp.zeros((i, j), jnp.float32))
+
+
+def _weight_grad(x, dy, h, interpret):
+  """``sum_n x_h^T dy_h`` per block, float32, for ``N`` a multiple of ``_ROWS * _DW_STEPS``."""
+  n = x.shape[0]
+  i, j = x.shape[1] // h, dy.shape[1] // h
+  span = _ROWS * _DW_STEPS
+  partials = pl.pallas_call(
+      _dw_kernel,
+      out_shape=jax.ShapeDtypeStruct((n // span, h, i, j), jnp.float32),
+      grid=(n // span, h),
+      in_specs=[pl.BlockSpec((span, i), lambda r, b: (r, b)),
+                pl.BlockSpec((span, j), lambda r, b: (r, b))],
+      out_specs=pl.BlockSpec((1, 1, i, j), lambda r, b: (r, b, 0, 0)),
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4),
+      interpret=interpret,
+  )(x, dy)
+  return partials.sum(axis=0)
+
+
+def _pad_rows(a, multiple):
+  extra = -a.shape[0] % multiple
+  return jnp.pad(a, ((0, extra), (0, 0))) if extra else a
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul(x, w, interpret):
+  return _blocks(_pad_rows(x, _ROWS), w, interpret)[: x.shape[0]]
+
+
+def _matmul_fwd(x, w, interpret):
+  return _matmul(x, w, interpret), (x, w)
+
+
+def _matmul_bwd(interpret, residuals, dy):
+  x, w = residuals
+  n, h = x.shape[0], w.shape[0]
+  dx = _blocks(_pad_rows(dy, _ROWS), jnp.swapaxes(w, 1, 2), interpret)[:n]
+  span = _ROWS * _DW_STEPS
+  dw = _weight_grad(_pad_rows(x, span), _pad_rows(dy.astype(x.dtype), span), h, interpret)
+  return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def block_diagonal_matmul(x: jax.Array, w: jax.Array, *, interpret: bool = False) -> jax.Array:
+  """``x: [..., H*I]``, ``w: [H, I, J]`` -> ``[..., H*J]`` (see the module docstring)."""
+  h, i, j = w.shape
+  if x.shape[-1] != h * i:
+    raise ValueError(f"x's last dimension {x.shape[-1]} is not {h} blocks x {i}")
+  if not supported(i, j):
+    raise ValueError(f"blocks of {i} x {j}: the kernel needs powers of two of at least 16")
+  lead = x.shape[:-1]
+  y = _matmul(x.reshape(-1, h * i), w, interpret)
+  return y.reshape(*lead, h * j)

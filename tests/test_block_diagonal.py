@@ -1,0 +1,82 @@
+"""The block-diagonal gate kernel (pallas_kernels.block_diagonal) against a float64 reference,
+forward and backward, in Pallas' interpreter on the CPU; and a model using it."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pallas_kernels import block_diagonal
+from recurrentgemma_jax import model as model_lib
+
+
+def reference(x, w):  # float64 NumPy
+  x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  h, i, j = w.shape
+  xb = x.reshape(*x.shape[:-1], h, i)
+  return np.einsum("...hi,hij->...hj", xb, w).reshape(*x.shape[:-1], h * j)
+
+
+@pytest.mark.parametrize("shape,blocks,dtype,tol", [
+    ((300, 3 * 16), (3, 16, 32), jnp.float32, 1e-5),   # N not a multiple of any tile
+    ((1, 2 * 32), (2, 32, 16), jnp.float32, 1e-5),     # one row
+    ((2, 37, 4 * 16), (4, 16, 16), jnp.bfloat16, 2e-2),
+])
+def test_block_diagonal_matmul_matches_float64(shape, blocks, dtype, tol):
+  kx, kw, kd = jax.random.split(jax.random.PRNGKey(sum(shape)), 3)
+  x = jax.random.normal(kx, shape).astype(dtype)
+  w = jax.random.normal(kw, blocks, jnp.float32)
+  y = block_diagonal.block_diagonal_matmul(x, w, interpret=True)
+  assert y.dtype == dtype and y.shape == (*shape[:-1], blocks[0] * blocks[2])
+  want = reference(x, np.asarray(w.astype(dtype)))
+  np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=tol, atol=tol * np.abs(want).max())
+
+  dy = jax.random.normal(kd, y.shape).astype(dtype)
+  dx, dw = jax.grad(lambda x, w: jnp.sum(
+      block_diagonal.block_diagonal_matmul(x, w, interpret=True).astype(jnp.float32)
+      * dy.astype(jnp.float32)), (0, 1))(x, w)
+  h, i, j = blocks
+  x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+  w64 = np.asarray(w.astype(dtype), np.float64)
+  want_dx = np.einsum("...hj,hij->...hi", dy64.reshape(*shape[:-1], h, j), w64).reshape(shape)
+  want_dw = np.einsum("nhi,nhj->hij", x64.reshape(-1, h, i), dy64.reshape(-1, h, j))
+  for got, want in ((dx, want_dx), (dw, want_dw)):
+    err = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
+    assert err < tol, err
+
+
+def test_block_diagonal_rejects_blocks_the_kernel_cannot_take():
+  assert not block_diagonal.supported(160, 160) and block_diagonal.supported(128, 128)
+  with pytest.raises(ValueError, match="powers of two"):
+    block_diagonal.block_diagonal_matmul(jnp.zeros((4, 2 * 24)), jnp.zeros((2, 24, 24)))
+
+
+def test_griffin_with_the_gate_kernel_equals_the_xla_gates():
+  cfg = model_lib.ModelConfig(family="griffin", vocab_size=41, width=32, num_layers=3,
+                              num_heads=2, lru_width=32, mlp_expanded_width=48,
+                              attention_window_size=4, dtype="float32", scan_impl="xla_linear")
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 11), 0, 41)
+  pos = jnp.stack([jnp.arange(11), jnp.concatenate([jnp.arange(4), jnp.arange(7)])])
+
+  def loss_and_grads(gate_impl):
+    model = model_lib.Model(model_lib.ModelConfig(**{**cfg.__dict__, "gate_impl": gate_impl}),
+                            rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+
+    def loss(params):
+      logits = nnx.merge(graphdef, params)(tokens, pos)[0]
+      return jnp.mean(jax.nn.log_softmax(logits)[..., 0] ** 2)
+    # The kernel runs (2 gates x 2 recurrent blocks) only where asked for.
+    kernels = str(jax.make_jaxpr(jax.grad(loss))(params)).count("pallas_call")
+    assert (kernels > 0) == (gate_impl == "pallas"), kernels
+    return jax.value_and_grad(loss)(params)
+
+  (l_xla, g_xla), (l_kernel, g_kernel) = loss_and_grads("xla"), loss_and_grads("pallas")
+  np.testing.assert_allclose(l_kernel, l_xla, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g_kernel), jax.tree.leaves(g_xla)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  assert dataclasses.replace(cfg, gate_impl="cuda").errors() == [
+      "model.gate_impl='cuda' is not one of xla|pallas"]
