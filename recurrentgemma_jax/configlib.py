@@ -211,15 +211,9 @@ def validate(config: ml_collections.ConfigDict, *, process_count: int = 1,
 
 
 def _cudnn_errors(cfg: model_lib.ModelConfig) -> list[str]:
-  import jax  # pylint: disable=g-import-not-at-top
-  if jax.default_backend() != "gpu":
-    return [f"model.attention_impl='cudnn' needs NVIDIA GPUs; this run's devices are "
-            f"{jax.default_backend()} (use model.attention_impl=xla)"]
-  if cfg.dtype not in ("bfloat16", "float16") or cfg.head_dim > 128 or cfg.head_dim % 8:
-    return [f"model.attention_impl='cudnn' needs model.dtype bfloat16 or float16 (got "
-            f"{cfg.dtype!r}) and a head size of at most 128 that is a multiple of 8 (got "
-            f"{cfg.head_dim})"]
-  return []
+  problem = model_lib.cudnn_attention_problem(cfg.dtype, cfg.head_dim)
+  return [f"model.attention_impl='cudnn' {problem} (use model.attention_impl=xla or auto)"] \
+      if problem else []
 
 
 def _init_from_errors(path: str, cfg: model_lib.ModelConfig) -> list[str]:

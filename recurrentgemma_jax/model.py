@@ -22,6 +22,7 @@ from recurrentgemma_jax import recurrent
 
 FAMILIES = ("griffin", "hawk", "mqa", "gla")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+GATE_IMPLS = ("xla", "pallas")
 BLOCK_TYPES = ("recurrent", "attention", "global_attention", "gla")
 REMAT_POLICIES = ("none", "block", "dots")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
@@ -35,15 +36,22 @@ FAMILY_PATTERNS = {
 }
 
 
-def cudnn_attention_supported(dtype: str, head_dim: int) -> bool:
-  """Whether ``jax.nn.dot_product_attention(implementation="cudnn")`` runs on this backend."""
-  if (jax.default_backend() != "gpu" or dtype not in ("bfloat16", "float16") or head_dim > 128
-      or head_dim % 8):
-    return False
+def cudnn_attention_problem(dtype: str, head_dim: int) -> str | None:
+  """Why ``jax.nn.dot_product_attention(implementation="cudnn")`` cannot run this model here
+  (None: it can). The one statement of these limits: ``auto`` and the config check use it."""
+  backend = jax.default_backend()
+  if backend != "gpu":
+    return f"needs NVIDIA GPUs; this run's devices are {backend}"
+  if dtype not in ("bfloat16", "float16") or head_dim > 128 or head_dim % 8:
+    return (f"needs model.dtype bfloat16 or float16 (got {dtype!r}) and a head size of at most "
+            f"128 that is a multiple of 8 (got {head_dim})")
+  capability = getattr(jax.devices()[0], "compute_capability", None)
   try:
-    return float(jax.devices()[0].compute_capability) >= 8.0
-  except (AttributeError, TypeError, ValueError):  # (a GPU backend that does not say)
-    return False
+    if float(capability) >= 8.0:
+      return None
+  except (TypeError, ValueError):  # (a GPU backend that does not say)
+    pass
+  return f"needs a GPU of compute capability 8.0 or more (got {capability})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +120,7 @@ class ModelConfig:
     baseline on an H100, docs/performance.md), else XLA."""
     if self.attention_impl != "auto":
       return self.attention_impl
-    return "cudnn" if cudnn_attention_supported(self.dtype, self.head_dim) else "xla"
+    return "xla" if cudnn_attention_problem(self.dtype, self.head_dim) else "cudnn"
 
   @classmethod
   def from_dict(cls, d: Any) -> "ModelConfig":
@@ -168,8 +176,8 @@ class ModelConfig:
     if self.attention_impl not in ATTENTION_IMPLS:
       out.append(f"model.attention_impl={self.attention_impl!r} is not one of "
                  f"{'|'.join(ATTENTION_IMPLS)}")
-    if self.gate_impl not in ("xla", "pallas"):
-      out.append(f"model.gate_impl={self.gate_impl!r} is not one of xla|pallas")
+    if self.gate_impl not in GATE_IMPLS:
+      out.append(f"model.gate_impl={self.gate_impl!r} is not one of {'|'.join(GATE_IMPLS)}")
     if self.scan_impl not in ("auto", "pallas", "xla_linear", "xla_associative"):
       out.append(f"model.scan_impl={self.scan_impl!r} is not one of "
                  "auto|pallas|xla_linear|xla_associative")

@@ -60,6 +60,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from recurrentgemma_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+from recurrentgemma_jax import model as model_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from recurrentgemma_jax.errors import first_line  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FAMILIES = ("griffin", "hawk", "mqa", "gla")
@@ -100,7 +101,7 @@ def main():
   parser.add_argument("--tokens_per_step", type=int, default=32768)
   parser.add_argument("--steps", type=int, default=10, help="timed steps per row")
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
-  parser.add_argument("--remat", choices=("none", "block", "dots"), default=None,
+  parser.add_argument("--remat", choices=model_lib.REMAT_POLICIES, default=None,
                       help="override the config's model.remat (default: the config's own)")
   parser.add_argument("--rows_per_microbatch", type=int, default=0,
                       help="gradient accumulation over micro-batches of this many rows (0: none)")

@@ -11,7 +11,7 @@ Each run is ``scripts/train.py --config configs/synthetic.py:TASK`` in ``DIR/TAS
 log in ``train.log`` there); rerunning resumes unfinished runs and re-evaluates. ``--parallel``
 runs that many trainings at once (the models are tiny; on a GPU they share it);
 ``--time_limit`` stops the trainings still running after that many seconds (SIGTERM: each saves
-its step and exits; rerun to continue). Then each latest checkpoint is evaluated on ``--eval_rows`` held-out rows per length. Writes ``DIR/synthetic.md``
+its step and exits; rerun to continue). Then each latest checkpoint is evaluated on ``--eval_rows`` held-out rows per length. Writes (rewritten after each evaluated run) ``DIR/synthetic.md``
 (the table), ``DIR/synthetic.json``, ``DIR/learning.png`` (held-out answer accuracy against
 training step, Fig. 6(a)) and ``DIR/lengths.png`` (accuracy against evaluation length,
 Fig. 6(b)). ``--tiny`` (a CPU check of the script): few steps, short rows.
@@ -123,7 +123,8 @@ def learning_curve(workdir):
   return last, [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
 
 
-def write_report(out, results, steps_done, curves, lengths, args):
+def write_report(out, results, steps_done, curves, lengths, args, failed):
+  """Writes the table (returned), the JSON and both plots; runs not evaluated yet read "-"."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -137,7 +138,8 @@ def write_report(out, results, steps_done, curves, lengths, args):
     for model in args.models:
       acc = results.get((task, model))
       steps = steps_done.get((task, model), "-")
-      cells = [f"{acc[n]:.3f}" for n in lens] if acc else ["failed"] * len(lens)
+      cells = ([f"{acc[n]:.3f}" for n in lens] if acc else
+               ["failed" if (task, model) in failed else "-"] * len(lens))
       lines.append(f"| {model} | {steps} | " + " | ".join(cells) + " |")
     lines.append("")
   table = "\n".join(lines)
@@ -147,7 +149,6 @@ def write_report(out, results, steps_done, curves, lengths, args):
     json.dump({f"{t}/{m}": {"accuracy": {str(k): v for k, v in acc.items()},
                             "curve": curves.get((t, m), [])}
                for (t, m), acc in results.items()}, f, indent=1)
-  print(table)
 
   fig, axes = plt.subplots(1, len(args.tasks), figsize=(5 * len(args.tasks), 3.5), squeeze=False)
   for ax, task in zip(axes[0], args.tasks):
@@ -172,6 +173,8 @@ def write_report(out, results, steps_done, curves, lengths, args):
     ax.legend()
   fig.tight_layout()
   fig.savefig(os.path.join(out, "lengths.png"), dpi=120)
+  plt.close("all")
+  return table
 
 
 def main():
@@ -206,6 +209,8 @@ def main():
   runs = [(t, m, os.path.join(args.out, t, m)) for t in args.tasks for m in args.models]
   failed = [] if args.skip_training else train_all(runs, args)
   results, steps_done, curves = {}, {}, {}
+  # Rewritten after every evaluated run, so that a run cut short keeps what it has measured.
+  table = write_report(args.out, results, steps_done, curves, lengths, args, failed)
   for task, model, workdir in runs:
     if (task, model) in failed:
       continue
@@ -214,7 +219,8 @@ def main():
     print(f"{task} / {model}: " + ", ".join(f"L={n} {a:.3f}"
                                              for n, a in results[(task, model)].items()),
           flush=True)
-  write_report(args.out, results, steps_done, curves, lengths, args)
+    table = write_report(args.out, results, steps_done, curves, lengths, args, failed)
+  print(table)
   sys.exit(1 if failed else 0)
 
 
