@@ -41,7 +41,8 @@ def supported(in_block: int, out_block: int) -> bool:
 
 
 def _matmul_kernel(x_ref, w_ref, y_ref):
-  y_ref[...] = pl.dot(x_ref[...], w_ref[0]).astype(y_ref.dtype)
+  y = jnp.dot(x_ref[...], w_ref[0], preferred_element_type=jnp.float32)
+  y_ref[...] = y.astype(y_ref.dtype)
 
 
 def _blocks(x, w, interpret):
@@ -63,7 +64,9 @@ def _blocks(x, w, interpret):
 def _dw_kernel(x_ref, dy_ref, dw_ref):
   def body(s, acc):
     rows = pl.ds(s * _ROWS, _ROWS)
-    return acc + pl.dot(x_ref[rows, :], dy_ref[rows, :], trans_a=True)
+    # x_rows^T dy_rows (``pl.dot`` is gone from JAX 0.12; dot_general works in both)
+    return acc + jax.lax.dot_general(x_ref[rows, :], dy_ref[rows, :], (((0,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
 
   i, j = dw_ref.shape[-2:]
   dw_ref[0, 0] = jax.lax.fori_loop(0, _DW_STEPS, body, jnp.zeros((i, j), jnp.float32))
