@@ -20,6 +20,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from recurrentgemma_jax import layers
+from sharding import partitioning
 
 GATE_TEMPERATURE = 16.0
 
@@ -82,7 +83,12 @@ class GLABlock(nnx.Module):
     use_kernel = self.impl == "pallas" or (
         self.impl == "auto" and jax.default_backend() in ("tpu", "gpu"))
     if use_kernel:
-      return pallas_kernels.chunk_gla(q, k, v, log_g, h0, reset=reset,
-                                      chunk_size=self.chunk_size)
+      # Per device under a mesh: rows over ``data``, heads over ``model``.
+      bthk, bhkv = ("batch", None, "heads", None), ("batch", "heads", None, None)
+      kernel = lambda q, k, v, g, h, r: pallas_kernels.chunk_gla(
+          q, k, v, g, h, reset=r, chunk_size=self.chunk_size)
+      return partitioning.shard_local(
+          kernel, (bthk, bthk, bthk, bthk, bhkv, ("batch", None)), (bthk, bhkv))(
+              q, k, v, log_g, h0, reset)
     chunk = min(self.chunk_size, max(16, q.shape[1]))
     return pallas_kernels.gla_reference(q, k, v, log_g, h0, reset=reset, chunk_size=chunk)

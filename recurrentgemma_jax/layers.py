@@ -11,6 +11,7 @@ Shapes: ``B`` batch, ``T`` time, ``D`` input width, ``F`` output width.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -18,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
+
+from sharding import partitioning
 
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
 
@@ -108,8 +111,11 @@ class BlockDiagonalLinear(nnx.Module):
     if self.impl == "pallas":
       from pallas_kernels import block_diagonal  # pylint: disable=g-import-not-at-top
       if block_diagonal.supported(*w.shape[1:]):
-        return block_diagonal.block_diagonal_matmul(
-            x, w, interpret=jax.default_backend() != "gpu") + bias
+        # Per device under a mesh: a device's channels are whole blocks (``blocks``).
+        rows = ("batch",) + (None,) * (x.ndim - 2) + ("blocks",)
+        matmul = functools.partial(block_diagonal.block_diagonal_matmul,
+                                   interpret=jax.default_backend() != "gpu")
+        return partitioning.shard_local(matmul, (rows, ("blocks", None, None)), rows)(x, w) + bias
     xb = x.reshape(*x.shape[:-1], self.num_blocks, -1)
     y = jnp.einsum("...hi,hij->...hj", xb, w)
     return y.reshape(*x.shape[:-1], -1) + bias

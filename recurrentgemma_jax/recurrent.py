@@ -24,6 +24,7 @@ from jaxtyping import Array, Float, Int
 
 from recurrentgemma_jax import layers
 from recurrentgemma_jax import scan as scan_lib
+from sharding import partitioning
 
 # The derivative of sqrt(1 - a^2) blows up as a -> 1; it is clipped at this value (as in the
 # official implementation) so that bfloat16 training never sees inf.
@@ -93,8 +94,10 @@ class RGLRU(nnx.Module):
     gate_a_logits = self.a_gate(x)
     if self.fused:
       import pallas_kernels  # pylint: disable=g-import-not-at-top  (optional kernels)
-      return pallas_kernels.rg_lru(x, gate_x_logits, gate_a_logits, self.a_param.value,
-                                   reset, h0)
+      btd, bd = ("batch", None, "lru"), ("batch", "lru")
+      return partitioning.shard_local(
+          pallas_kernels.rg_lru, (btd, btd, btd, ("lru",), ("batch", None), bd), (btd, bd))(
+              x, gate_x_logits, gate_a_logits, self.a_param.value, reset, h0)
     # The gating arithmetic runs in float32 (a near 1 is not representable in bfloat16);
     # in float32 this is exactly the official computation.
     acc = layers.accumulation_dtype(x.dtype)

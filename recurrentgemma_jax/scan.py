@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from sharding import partitioning
+
 SCAN_IMPLS = ("auto", "pallas", "xla_linear", "xla_associative")
 
 
@@ -39,7 +41,10 @@ def linear_scan(
   impl = resolve_impl(impl)
   if impl == "pallas":
     import pallas_kernels  # pylint: disable=g-import-not-at-top  (optional GPU/TPU kernels)
-    return pallas_kernels.linear_scan(x, a, h0)
+    # Per device under a mesh: rows over ``data``, channels over ``model``.
+    btd, bd = ("batch", None, "lru"), ("batch", "lru")
+    return partitioning.shard_local(pallas_kernels.linear_scan, (btd, btd, bd), (btd, bd))(
+        x, a, h0)
   if impl == "xla_associative":
     return associative_scan(x, a, h0)
   return sequential_scan(x, a, h0)

@@ -262,9 +262,16 @@ class Setup:
 
   def jit_train_step(self, accum_steps: int):
     replicated = self.state_shardings["step"]
-    return jax.jit(make_train_step(self.graphdef, self.tx, self.schedule, accum_steps),
-                   in_shardings=(self.state_shardings, self.batch_sharding),
-                   out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+    return partitioning.OnMesh(self.mesh, jax.jit(
+        make_train_step(self.graphdef, self.tx, self.schedule, accum_steps),
+        in_shardings=(self.state_shardings, self.batch_sharding),
+        out_shardings=(self.state_shardings, replicated), donate_argnums=0))
+
+  def jit_eval_step(self):
+    return partitioning.OnMesh(self.mesh, jax.jit(
+        make_eval_step(self.graphdef),
+        in_shardings=(self.state_shardings["params"], self.batch_sharding),
+        out_shardings=self.state_shardings["step"]))
 
 
 def setup(config: ml_collections.ConfigDict, devices=None) -> Setup:
@@ -302,9 +309,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   configlib.validate(config, process_count=jax.process_count(), device_count=jax.device_count())
   os.makedirs(workdir, exist_ok=True)
   plan = setup(config)
-  model_cfg, mesh, graphdef, state_sh = (plan.model_cfg, plan.mesh, plan.graphdef,
-                                         plan.state_shardings)
-  param_sh, replicated = state_sh["params"], state_sh["step"]
+  model_cfg, mesh = plan.model_cfg, plan.mesh
 
   log = print if jax.process_index() == 0 else (lambda *_: None)
   checkpoints = Checkpoints(workdir, config.keep_checkpoints)
@@ -333,8 +338,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
   batch_sh = plan.batch_sharding
   train_step = plan.jit_train_step(config.optimizer.grad_accum_steps)
-  eval_step = jax.jit(make_eval_step(graphdef), in_shardings=(param_sh, batch_sh),
-                      out_shardings=replicated)
+  eval_step = plan.jit_eval_step()
   eval_batches = data.make_eval_batches(config, process_index=shard_index,
                                         process_count=shard_count)
 

@@ -1,6 +1,10 @@
 """Where every array lives: the (data, model) device mesh and one table of rules from the
 parameters' logical axis names to mesh axes.
 
+Kernels XLA cannot partition (Pallas calls: custom calls with no sharding rule, which the SPMD
+partitioner would run on gathered, whole inputs) run per device through ``shard_local``, with
+their activations' logical axes (``batch`` -> ``data``) mapped by the same table.
+
 Megatron-style splits follow from the rules: the MLP's ``mlp`` axis, the recurrent block's
 ``lru`` axis and the attention's ``heads`` axis go to ``model``, so the up/branch projections are
 column-parallel and the down/out projections row-parallel (one all-reduce each way per block);
@@ -12,6 +16,8 @@ parameters too (XLA gathers each layer's weights where they are used).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import numpy as np
@@ -29,6 +35,7 @@ RULES: dict[str, str | None] = {
     "lru": "model",
     "blocks": "model",
     "kv": None,
+    "batch": "data",  # activations only: rows of a batch
 }
 DATA, MODEL = "data", "model"
 
@@ -126,3 +133,69 @@ def process_data_shard(mesh: Mesh) -> tuple[int, int]:
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Rows of a batch are split over ``data`` (and replicated over ``model``)."""
   return NamedSharding(mesh, P(DATA))
+
+
+class OnMesh:
+  """A jitted function traced (``lower``, first call) and run with ``mesh`` set
+  (``jax.set_mesh``), so that the kernels inside it run per device (``shard_local``)."""
+
+  def __init__(self, mesh: Mesh, jitted):
+    self.mesh, self.jitted = mesh, jitted
+
+  def __call__(self, *args):
+    with jax.set_mesh(self.mesh):
+      return self.jitted(*args)
+
+  def lower(self, *args):
+    with jax.set_mesh(self.mesh):
+      return self.jitted.lower(*args)
+
+
+def shard_local(fn, in_axes, out_axes):
+  """``fn`` run on each device's shard of its arguments when a mesh is set (``jax.set_mesh``, as
+  ``train.run`` does), else ``fn`` itself.
+
+  For kernels XLA cannot partition: a Pallas call is a custom call without a sharding rule, so
+  under ``jit`` the SPMD partitioner would gather its inputs and run it whole on every device.
+  ``fn`` must act on each slice of the split axes independently (rows, channels, heads).
+
+  Args:
+    fn: a function of arrays (an argument may be None).
+    in_axes: one tuple of logical axis names (``RULES``) per argument (ignored for None).
+    out_axes: the same for ``fn``'s outputs, a tuple of tuples when it returns a tuple; every
+      name in it must also name an axis of an argument.
+
+  A logical axis is split over its mesh axis only where that mesh axis divides every argument's
+  dimension of that name, so all arrays sharing an axis are split alike.
+  """
+  @functools.wraps(fn)
+  def wrapped(*args):
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+      return fn(*args)
+    split = {}
+    for axes, x in zip(in_axes, args):
+      if x is None:
+        continue
+      for name, size in zip(axes, x.shape):
+        mesh_axis = RULES.get(name) if name else None
+        if mesh_axis is None or mesh.shape.get(mesh_axis, 1) == 1:
+          continue
+        ok = size % mesh.shape[mesh_axis] == 0 and split.get(name, True)
+        split[name] = ok and mesh_axis
+    def to_spec(axes):
+      names = [split.get(a) or None for a in axes]
+      if len([n for n in names if n]) != len({n for n in names if n}):
+        raise ValueError(f"shard_local: axes {axes} put one mesh axis on two dimensions")
+      return P(*names)
+    present = [i for i, x in enumerate(args) if x is not None]
+    def local(*xs):
+      full = list(args)
+      for i, x in zip(present, xs):
+        full[i] = x
+      return fn(*full)
+    nested = bool(out_axes) and isinstance(out_axes[0], tuple)
+    out_specs = tuple(map(to_spec, out_axes)) if nested else to_spec(out_axes)
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(to_spec(in_axes[i]) for i in present),
+                         out_specs=out_specs, check_vma=False)(*(args[i] for i in present))
+  return wrapped

@@ -3,6 +3,7 @@ parameters and optimizer state carry the intended shardings, Megatron's collecti
 more, ZeRO-1 memory, checkpoints across meshes, and a real 2-process jax.distributed run."""
 
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -221,3 +222,73 @@ def test_two_process_jax_distributed_run_trains_checkpoints_and_resumes(tmp_path
     steps = [int(line.split('"step": ')[1].split(",")[0]) for line in f if '"loss"' in line]
   assert steps == [1, 2, 3, 4]
   assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()) == [2, 4]
+
+
+def test_shard_local_runs_each_device_on_its_shard():
+  mesh = partitioning.make_mesh(4, 2)
+  seen = []
+
+  def fn(x, h):
+    seen.append((x.shape, None if h is None else h.shape))
+    return jnp.cumsum(x, axis=1), x[:, -1] * (1.0 if h is None else h)
+
+  btd, bd = ("batch", None, "lru"), ("batch", "lru")
+  local = partitioning.shard_local(fn, (btd, bd), (btd, bd))
+  x, h = jax.random.normal(jax.random.key(0), (8, 5, 6)), jax.random.normal(jax.random.key(1), (8, 6))
+  want = fn(x, h)
+  with jax.set_mesh(mesh):
+    got = jax.jit(local)(x, h)
+    assert seen[-1] == ((2, 5, 3), (2, 3))  # rows over data=4, channels over model=2
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+    jax.jit(local)(x, None)
+    assert seen[-1] == ((2, 5, 3), None)
+    # 6 rows do not split over data=4: every array keeps whole rows, channels still split.
+    got = jax.jit(local)(x[:6], h[:6])
+    assert seen[-1] == ((6, 5, 3), (6, 3))
+    np.testing.assert_allclose(got[1], want[1][:6], rtol=1e-6)
+  local(x, h)  # no mesh set: fn itself, on whole arrays
+  assert seen[-1] == ((8, 5, 6), (8, 6))
+
+
+@pytest.mark.parametrize("kernels", ["scan+gates", "fused"])
+def test_pallas_kernels_under_a_mesh_give_single_device_losses(kernels):
+  """The Pallas scan, block-diagonal gates and fused RG-LRU run per device (shard_local) and
+  still give the single-device losses (data and model splits)."""
+  overrides = {"model.scan_impl": "pallas", "model.num_gate_blocks": 2, "model.num_layers": 2,
+               "model.fused_rg_lru": kernels == "fused", "model.gate_impl": "pallas"}
+  reference = losses_on(small_config(**overrides), jax.devices()[:1], steps=2)[0]
+  config = small_config(**{"mesh.data": 4, "mesh.model": 2, **overrides})
+  losses = losses_on(config, jax.devices(), steps=2)[0]
+  np.testing.assert_allclose(losses, reference, rtol=1e-5)
+
+
+def test_the_models_kernels_see_only_their_devices_shard(monkeypatch):
+  import pallas_kernels  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import block_diagonal  # pylint: disable=g-import-not-at-top
+  seen = collections.defaultdict(set)
+
+  def recording(name, fn):
+    def wrapper(*args, **kwargs):
+      seen[name].add(tuple(args[0].shape))
+      return fn(*args, **kwargs)
+    return wrapper
+
+  monkeypatch.setattr(pallas_kernels, "linear_scan",
+                      recording("scan", pallas_kernels.linear_scan))
+  monkeypatch.setattr(block_diagonal, "block_diagonal_matmul",
+                      recording("gates", block_diagonal.block_diagonal_matmul))
+  cfg = model_lib.ModelConfig(family="hawk", vocab_size=64, width=64, lru_width=64,
+                              num_layers=1, num_heads=2, num_gate_blocks=2,
+                              mlp_expanded_width=128, dtype="float32", scan_impl="pallas",
+                              gate_impl="pallas")
+  model = model_lib.init_model(cfg, 0)
+  tokens = jnp.zeros((8, 16), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(16), (8, 16))
+  monkeypatch.setattr(pallas_kernels, "chunk_gla", recording("gla", pallas_kernels.chunk_gla))
+  gla = model_lib.init_model(dataclasses.replace(cfg, family="gla", num_heads=4), 0)
+  with jax.set_mesh(partitioning.make_mesh(4, 2)):
+    for m in (model, gla):
+      nnx.jit(lambda m, t, p: m(t, p)[0])(m, tokens, pos)
+  # rows over data=4; channels (gate blocks, heads) over model=2
+  assert seen == {"scan": {(2, 16, 32)}, "gates": {(2, 16, 32)}, "gla": {(2, 16, 2, 8)}}
