@@ -67,6 +67,27 @@ def a_param_init(min_ac: float = 0.9, max_ac: float = 0.999) -> layers.Initializ
   return init
 
 
+@jax.checkpoint
+def gated_inputs(x, gate_x_logits, gate_a_logits, a_param, reset):
+  """The RG-LRU's per-token gating: the scan's input ``sqrt(1 - a_t^2) * i_t * x_t`` (in x's
+  dtype) and its decay ``a_t`` (float32), both restarted at document starts (``reset``).
+
+  The arithmetic runs in float32 (a near 1 is not representable in bfloat16); in float32 this
+  is exactly the official computation. ``jax.checkpoint``: the backward pass recomputes it from
+  these inputs instead of keeping its float32 intermediates (gates, decay, normalisation) in
+  memory, which saves their HBM traffic.
+  """
+  acc = layers.accumulation_dtype(x.dtype)
+  gate_x = jax.nn.sigmoid(gate_x_logits.astype(acc))
+  gate_a = jax.nn.sigmoid(gate_a_logits.astype(acc))
+  log_a = -C * gate_a * jax.nn.softplus(a_param.astype(acc))
+  a = jnp.exp(log_a)
+  multiplier = sqrt_bounded_derivative(1.0 - jnp.exp(2.0 * log_a), MAX_SQRT_GRADIENT)
+  multiplier = jnp.where(reset[..., None], 1.0, multiplier)
+  normalized_x = (x.astype(acc) * gate_x * multiplier).astype(x.dtype)
+  return normalized_x, jnp.where(reset[..., None], 0.0, a)
+
+
 class RGLRU(nnx.Module):
   """Real-Gated Linear Recurrent Unit over ``width`` channels."""
 
@@ -98,17 +119,7 @@ class RGLRU(nnx.Module):
       return partitioning.shard_local(
           pallas_kernels.rg_lru, (btd, btd, btd, ("lru",), ("batch", None), bd), (btd, bd))(
               x, gate_x_logits, gate_a_logits, self.a_param.value, reset, h0)
-    # The gating arithmetic runs in float32 (a near 1 is not representable in bfloat16);
-    # in float32 this is exactly the official computation.
-    acc = layers.accumulation_dtype(x.dtype)
-    gate_x = jax.nn.sigmoid(gate_x_logits.astype(acc))
-    gate_a = jax.nn.sigmoid(gate_a_logits.astype(acc))
-    log_a = -C * gate_a * jax.nn.softplus(self.a_param.value.astype(acc))
-    a = jnp.exp(log_a)
-    multiplier = sqrt_bounded_derivative(1.0 - jnp.exp(2.0 * log_a), MAX_SQRT_GRADIENT)
-    multiplier = jnp.where(reset[..., None], 1.0, multiplier)
-    normalized_x = (x.astype(acc) * gate_x * multiplier).astype(x.dtype)
-    a = jnp.where(reset[..., None], 0.0, a)
+    normalized_x, a = gated_inputs(x, gate_x_logits, gate_a_logits, self.a_param.value, reset)
     return scan_lib.linear_scan(normalized_x, a, h0, impl=self.scan_impl)
 
 
