@@ -16,6 +16,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from recurrentgemma_jax import layers
+from sharding import partitioning
 
 _MASKED = -2.3819763e38  # finite, so rows that see nothing give no NaN
 _MAX_WAVELENGTH = 10_000
@@ -111,8 +112,13 @@ class MQAttention(nnx.Module):
     v = self.proj_v(x).reshape(b, t, self.head_dim)
     # (cuDNN takes the same-document mask only for an even length: odd rows use the XLA path.)
     if cache is None and self.impl == "cudnn" and t % 2 == 0:
-      encoded = fused_attention(q, k, v, segment_pos, self.window, self.head_dim**-0.5,
-                                implementation="cudnn")
+      # Per device under a mesh (query heads over ``model``, the one key/value head on
+      # every device): cuDNN's own partitioning rule wants q, k and v split alike.
+      attend = lambda q, k, v, pos: fused_attention(q, k, v, pos, self.window,
+                                                    self.head_dim**-0.5, implementation="cudnn")
+      bthd, bth = ("batch", None, "heads", None), ("batch", None, None)
+      encoded = partitioning.shard_local(attend, (bthd, bth, bth, ("batch", None)), bthd)(
+          q, k, v, segment_pos)
       return self.proj_final(encoded.reshape(b, t, -1)), None
     if cache is None and self.window is not None and t > self._band_keys:
       encoded = self._banded(q, k, v, segment_pos)

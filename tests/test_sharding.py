@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import ROOT, run_script
-from recurrentgemma_jax import configlib, data, train
+from recurrentgemma_jax import attention, configlib, data, train
 from recurrentgemma_jax import model as model_lib
 from sharding import partitioning
 
@@ -287,8 +287,17 @@ def test_the_models_kernels_see_only_their_devices_shard(monkeypatch):
   pos = jnp.broadcast_to(jnp.arange(16), (8, 16))
   monkeypatch.setattr(pallas_kernels, "chunk_gla", recording("gla", pallas_kernels.chunk_gla))
   gla = model_lib.init_model(dataclasses.replace(cfg, family="gla", num_heads=4), 0)
+  # cuDNN attention (a GPU kernel) stands in for itself through the XLA path, which takes
+  # the same arguments.
+  fused = attention.fused_attention
+  monkeypatch.setattr(attention, "fused_attention", recording(
+      "cudnn attention", lambda *a, implementation: fused(*a, implementation=None)))
+  mqa = model_lib.init_model(dataclasses.replace(
+      cfg, family="mqa", num_heads=4, block_types=("global_attention",),
+      attention_impl="cudnn"), 0)
   with jax.set_mesh(partitioning.make_mesh(4, 2)):
-    for m in (model, gla):
+    for m in (model, gla, mqa):
       nnx.jit(lambda m, t, p: m(t, p)[0])(m, tokens, pos)
   # rows over data=4; channels (gate blocks, heads) over model=2
-  assert seen == {"scan": {(2, 16, 32)}, "gates": {(2, 16, 32)}, "gla": {(2, 16, 2, 8)}}
+  assert seen == {"scan": {(2, 16, 32)}, "gates": {(2, 16, 32)}, "gla": {(2, 16, 2, 8)},
+                  "cudnn attention": {(2, 16, 2, 16)}}
