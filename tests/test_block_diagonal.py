@@ -78,5 +78,6 @@ def test_griffin_with_the_gate_kernel_equals_the_xla_gates():
   np.testing.assert_allclose(l_kernel, l_xla, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(g_kernel), jax.tree.leaves(g_xla)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  assert cfg.resolved_gate_impl == "xla"  # auto: the kernels only on GPUs
   assert dataclasses.replace(cfg, gate_impl="cuda").errors() == [
-      "model.gate_impl='cuda' is not one of xla|pallas"]
+      "model.gate_impl='cuda' is not one of auto|xla|pallas"]
