@@ -105,11 +105,13 @@ def accuracy_at_lengths(task, model, workdir, lengths, args):
   config = configlib.load(os.path.join(ROOT, "configs", "synthetic.py") + f":{task}")
   configlib.override(config, train_overrides(task, model, args))
   net, _ = checkpoint.load_model(workdir)
-  batch_rows = min(args.eval_rows, 32)
-  config.batch_size = batch_rows
-  config.data.eval_batches = max(1, args.eval_rows // batch_rows)
   out = {}
   for length in lengths:
+    # Fewer rows per batch for long rows: global attention's T x T scores (XLA path, float32)
+    # of 32 rows at 4096 tokens took 16 GiB and ran out of memory on a shared GPU.
+    batch_rows = max(1, min(args.eval_rows, 32, 32 * 1024 // length))
+    config.batch_size = batch_rows
+    config.data.eval_batches = max(1, args.eval_rows // batch_rows)
     config.data.synthetic.eval_seq_len = length
     out[length] = evaluation.masked_accuracy(net, data.make_eval_batches(config))
   return out
