@@ -79,5 +79,10 @@ def test_griffin_with_the_gate_kernel_equals_the_xla_gates():
   for a, b in zip(jax.tree.leaves(g_kernel), jax.tree.leaves(g_xla)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
   assert cfg.resolved_gate_impl == "xla"  # auto: the kernels only on GPUs
+  assert not cfg.resolved_fused_rg_lru and dataclasses.replace(
+      cfg, fused_rg_lru="true").resolved_fused_rg_lru
+  assert dataclasses.replace(cfg, fused_rg_lru=True).resolved_fused_rg_lru  # older checkpoints
+  assert dataclasses.replace(cfg, fused_rg_lru="yes").errors() == [
+      "model.fused_rg_lru='yes' is not one of auto|true|false"]
   assert dataclasses.replace(cfg, gate_impl="cuda").errors() == [
       "model.gate_impl='cuda' is not one of auto|xla|pallas"]

@@ -8,7 +8,7 @@ import jax
 
 
 @pytest.mark.parametrize("variant", [{"model.scan_impl": "pallas"},
-                                     {"model.fused_rg_lru": True}])
+                                     {"model.fused_rg_lru": "true"}])
 def test_griffin_trained_with_the_kernel_matches_the_xla_scan(variant):
   def config(**extra):
     return small_config(**{"model.family": "griffin", "model.width": 32,
