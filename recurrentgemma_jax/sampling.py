@@ -96,6 +96,18 @@ def _generate(graphdef, state, tokens, segment_pos, lengths, *, params: Sampling
   return new_tokens.T, done.T, None if step_logits is None else step_logits.swapaxes(0, 1)
 
 
+def compiled_sampler(model, prompts: Sequence[Sequence[int]],
+                     params: SamplingParams = SamplingParams(), *, pad_id: int = 0):
+  """``(run, args)``: ``sample``'s prefill and decode loop for these prompts, compiled ahead of
+  time; ``run(*args)`` returns ``(new_tokens, done, None)`` as device arrays. For timing decoding
+  without compilation (``scripts/bench_decode.py``)."""
+  tokens, segment_pos, lengths = left_pad(prompts, pad_id)
+  graphdef, state = nnx.split(model)
+  compiled = _generate.lower(graphdef, state, tokens, segment_pos, lengths, params=params,
+                             pad_id=pad_id, return_logits=False, stream=None).compile()
+  return compiled, (state, tokens, segment_pos, lengths)
+
+
 def sample(model, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
            *, pad_id: int = 0, return_logits: bool = False,
            stream: Callable[[np.ndarray, np.ndarray], None] | None = None) -> SampleOutput:

@@ -2,16 +2,21 @@
 paper's Fig. 1(b) and Fig. 4 protocol), with random weights of a given preset size.
 
   python scripts/bench_decode.py --out DIR [--size 1.3b] [--families mqa,hawk,griffin]
-      [--new_tokens 512,1024,2048,4096] [--latency_batch 16] [--prefill 0,4096]
+      [--new_tokens 512,1024,2048,4096] [--latency_batch 16] [--prefill 0,4096 | none]
+      [--batches 16,32,...] [--max_batch 4096] [--repeats 3] [--deadline S] [--tiny]
 
 - Latency: batch ``--latency_batch``, a prompt of 1 token ("empty") or ``--prefill`` tokens,
-  time to prefill and sample each ``--new_tokens`` count.
-- Maximum throughput: for each ``--new_tokens`` count, the batch is doubled from
-  ``--latency_batch`` until the device runs out of memory (or ``--max_batch``); the best
-  sampled tokens/s is reported. The MQA baseline decodes through its own KV cache.
+  time to prefill and sample each ``--new_tokens`` count (``--prefill none``: skipped).
+- Maximum throughput: for each ``--new_tokens`` count, the batches of ``--batches`` in order
+  (default: doubling from ``--latency_batch`` up to ``--max_batch``) until the device runs out
+  of memory; the best sampled tokens/s is reported. The MQA baseline decodes through its own KV
+  cache.
 
-Every timing is the median of ``--repeats`` calls after a compiling call. Writes DIR/decode.md
-and DIR/decode.json. ``--tiny`` shrinks the models (for a CPU check of the script).
+Each timing is the median of ``--repeats`` runs of the decode loop compiled ahead of time
+(``sampling.compiled_sampler``: compilation is not timed and the loop is not run an extra time to
+warm up). ``--deadline S`` starts no new measurement after S seconds. Writes DIR/decode.md and
+DIR/decode.json after every measurement. ``--tiny`` shrinks the models (for a CPU check of the
+script).
 """
 
 import argparse
@@ -34,7 +39,9 @@ def main():
   parser.add_argument("--prefill", default="0,4096")
   parser.add_argument("--latency_batch", type=int, default=16)
   parser.add_argument("--max_batch", type=int, default=4096)
+  parser.add_argument("--batches", default="", help="throughput batch sizes (default: doubling)")
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--deadline", type=float, default=0, help="seconds; 0: none")
   parser.add_argument("--tiny", action="store_true", help="tiny models, for a CPU check")
   args = parser.parse_args()
 
@@ -45,7 +52,16 @@ def main():
 
   os.makedirs(args.out, exist_ok=True)
   new_counts = [int(n) for n in args.new_tokens.split(",")]
-  prefills = [int(p) for p in args.prefill.split(",")]
+  prefills = [] if args.prefill == "none" else [int(p) for p in args.prefill.split(",")]
+  if args.batches:
+    batches = [int(b) for b in args.batches.split(",")]
+  else:
+    batches = [args.latency_batch << i for i in range(32)
+               if args.latency_batch << i <= args.max_batch]
+  start_time = time.time()
+
+  def out_of_time():
+    return args.deadline and time.time() - start_time > args.deadline
 
   def build(family):
     fields = presets.preset(family, args.size)
@@ -60,11 +76,11 @@ def main():
     prompts = np.random.default_rng(0).integers(3, args.vocab_size,
                                                 (batch, max(prompt_len, 1))).tolist()
     params = sampling.SamplingParams(max_new_tokens=new)
-    sampling.sample(model, prompts, params)  # compile
+    run, run_args = sampling.compiled_sampler(model, prompts, params)
     times = []
     for _ in range(args.repeats):
       start = time.perf_counter()
-      sampling.sample(model, prompts, params)  # returns host arrays: synchronised
+      jax.block_until_ready(run(*run_args))
       times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -73,33 +89,44 @@ def main():
 
   results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-             "command": " ".join(sys.argv), "latency": [], "throughput": []}
+             "command": " ".join(sys.argv), "out": args.out, "latency": [], "throughput": []}
   for family in args.families.split(","):
     model = build(family)
     for prefill in prefills:
       for new in new_counts:
+        if out_of_time():
+          break
         seconds = timed(model, args.latency_batch, prefill, new)
         results["latency"].append(dict(family=family, prefill=prefill, new=new,
                                        batch=args.latency_batch, seconds=seconds))
         print(f"latency {family} prefill={prefill} new={new}: {seconds:.3f} s", flush=True)
+        write(results)
     for new in new_counts:
-      best, batch = None, args.latency_batch
-      while batch <= args.max_batch:
+      best = None
+      for batch in batches:
+        if out_of_time():
+          break
         try:
           seconds = timed(model, batch, 1, new)
         except Exception as e:  # pylint: disable=broad-except  (only running out of memory ends it)
           if not out_of_memory(e):
             raise
+          print(f"throughput {family} new={new} batch={batch}: out of memory", flush=True)
           break
         rate = batch * new / seconds
         print(f"throughput {family} new={new} batch={batch}: {rate:,.0f} tokens/s", flush=True)
         if best is None or rate > best[0]:
           best = (rate, batch)
-        batch *= 2
-      results["throughput"].append(dict(family=family, new=new, tokens_per_sec=best[0],
-                                        batch=best[1]))
+      if best is not None:
+        results["throughput"].append(dict(family=family, new=new, tokens_per_sec=best[0],
+                                          batch=best[1]))
+        write(results)
     del model
+  print(write(results))
 
+
+def write(results):
+  """Writes DIR/decode.md and DIR/decode.json; returns the markdown."""
   lines = [f"Device {results['device']}, jax {results['jax']}, {results['date']}; "
            f"command `{results['command']}`.", "",
            "| family | prefill | new tokens | batch | latency (s) |", "|---|---|---|---|---|"]
@@ -113,11 +140,11 @@ def main():
     lines.append(f"| {r['family']} | {r['new']} | {r['batch']} | {r['tokens_per_sec']:,.0f} | "
                  f"{ratio} |")
   text = "\n".join(lines)
-  with open(os.path.join(args.out, "decode.md"), "w") as f:
+  with open(os.path.join(results["out"], "decode.md"), "w") as f:
     f.write(text + "\n")
-  with open(os.path.join(args.out, "decode.json"), "w") as f:
+  with open(os.path.join(results["out"], "decode.json"), "w") as f:
     json.dump(results, f, indent=1)
-  print(text)
+  return text
 
 
 if __name__ == "__main__":

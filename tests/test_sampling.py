@@ -128,3 +128,21 @@ def test_synthetic_experiment_script_trains_evaluates_beyond_training_length(tmp
   run_script("synthetic.py", *args, "--skip_training")
   with open(tmp_path / "synthetic.json") as f:
     assert json.load(f) == first
+
+
+def test_decode_benchmark_script_times_every_family(tmp_path):
+  import json
+  from helpers import run_script
+  run_script("bench_decode.py", "--tiny", f"--out={tmp_path}", "--vocab_size=64",
+             "--new_tokens=8", "--prefill=16", "--latency_batch=2", "--batches=2,4",
+             "--repeats=1")
+  with open(tmp_path / "decode.json") as f:
+    results = json.load(f)
+  assert [(r["family"], r["prefill"], r["new"]) for r in results["latency"]] == [
+      (family, 16, 8) for family in ("mqa", "hawk", "griffin")]
+  assert all(r["seconds"] > 0 for r in results["latency"])
+  best = {r["family"]: r for r in results["throughput"]}
+  assert set(best) == {"mqa", "hawk", "griffin"}
+  assert all(r["batch"] in (2, 4) and r["tokens_per_sec"] > 0 for r in best.values())
+  table = (tmp_path / "decode.md").read_text()
+  assert "| mqa | 8 |" in table and "1.00x" in table
