@@ -250,7 +250,8 @@ def make_temporal_block(block_type: str, cfg: ModelConfig, rngs: nnx.Rngs, **kw)
     return recurrent.RecurrentBlock(
         cfg.width, cfg.resolved_lru_width, cfg.resolved_gate_blocks, rngs=rngs,
         conv1d_temporal_width=cfg.conv1d_temporal_width, final_init_scale=final,
-        scan_impl=cfg.scan_impl, fused_rg_lru=cfg.resolved_fused_rg_lru, gate_impl=cfg.resolved_gate_impl, **kw)
+        scan_impl=cfg.scan_impl, fused_rg_lru=cfg.resolved_fused_rg_lru,
+        gate_impl=cfg.resolved_gate_impl, **kw)
   if block_type in ("attention", "global_attention"):
     window = cfg.attention_window_size if block_type == "attention" else None
     return attention.MQAttention(cfg.width, cfg.num_heads, window, rngs=rngs,

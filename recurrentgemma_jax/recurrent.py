@@ -115,10 +115,10 @@ class RGLRU(nnx.Module):
     gate_a_logits = self.a_gate(x)
     if self.fused:
       import pallas_kernels  # pylint: disable=g-import-not-at-top  (optional kernels)
-      btd, bd = ("batch", None, "lru"), ("batch", "lru")
+      rows, state = scan_lib.ROW_AXES, scan_lib.STATE_AXES
       return partitioning.shard_local(
-          pallas_kernels.rg_lru, (btd, btd, btd, ("lru",), ("batch", None), bd), (btd, bd))(
-              x, gate_x_logits, gate_a_logits, self.a_param.value, reset, h0)
+          pallas_kernels.rg_lru, (rows, rows, rows, ("lru",), ("batch", None), state),
+          (rows, state))(x, gate_x_logits, gate_a_logits, self.a_param.value, reset, h0)
     normalized_x, a = gated_inputs(x, gate_x_logits, gate_a_logits, self.a_param.value, reset)
     return scan_lib.linear_scan(normalized_x, a, h0, impl=self.scan_impl)
 

@@ -21,6 +21,8 @@ from jaxtyping import Array, Float
 from sharding import partitioning
 
 SCAN_IMPLS = ("auto", "pallas", "xla_linear", "xla_associative")
+# Logical axes (sharding/partitioning.RULES) of the RG-LRU's [B, T, D] rows and [B, D] states.
+ROW_AXES, STATE_AXES = ("batch", None, "lru"), ("batch", "lru")
 
 
 def resolve_impl(impl: str) -> str:
@@ -42,9 +44,9 @@ def linear_scan(
   if impl == "pallas":
     import pallas_kernels  # pylint: disable=g-import-not-at-top  (optional GPU/TPU kernels)
     # Per device under a mesh: rows over ``data``, channels over ``model``.
-    btd, bd = ("batch", None, "lru"), ("batch", "lru")
-    return partitioning.shard_local(pallas_kernels.linear_scan, (btd, btd, bd), (btd, bd))(
-        x, a, h0)
+    return partitioning.shard_local(pallas_kernels.linear_scan,
+                                    (ROW_AXES, ROW_AXES, STATE_AXES), (ROW_AXES, STATE_AXES))(
+                                        x, a, h0)
   if impl == "xla_associative":
     return associative_scan(x, a, h0)
   return sequential_scan(x, a, h0)

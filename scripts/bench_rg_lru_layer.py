@@ -11,9 +11,7 @@ The fused layer's block shape for real runs is ``rg_lru_fused.gpu_block`` (the "
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -22,6 +20,7 @@ import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-posi
 
 from pallas_kernels import rg_lru_fused, scan_core  # pylint: disable=g-import-not-at-top,wrong-import-position
 from recurrentgemma_jax import recurrent, scan as scan_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from bench_scan import time_fn  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 BLOCK_SHAPES = [("scan's shape (256 channels, 4 warps)", dict()),
                 ("chunk 8", dict(gpu_chunk=8)),
@@ -47,14 +46,8 @@ def main():
   reset = jnp.zeros((b, t), bool).at[:, 0].set(True)
   h0 = jnp.zeros((b, d), jnp.float32)
 
-  def timed(f, *xs):
-    jax.block_until_ready(f(*xs))
-    times = []
-    for _ in range(args.iters):
-      start = time.perf_counter()
-      jax.block_until_ready(f(*xs))
-      times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+  def timed(f, *xs):  # one call per timing, as in the recorded runs
+    return time_fn(f, *xs, iters=args.iters, calls=1, warmup=1)
 
   def unfused(x, gx, ga, p):
     nx, a = recurrent.gated_inputs(x, gx, ga, p, reset)
