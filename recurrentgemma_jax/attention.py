@@ -75,6 +75,18 @@ class AttentionCache(NamedTuple):
 
 
 BAND_BLOCK = 256  # queries per block of banded local attention
+DECODE_BLOCK = 128  # cached keys per program of the GPU decode kernel
+
+
+def length_bounded_attention(q, keys, values, lengths, scale):
+  """One query token per row over the first ``lengths[b]`` cached keys of its row, reading
+  only the blocks of keys below that length: JAX's Pallas GPU decode-attention kernel
+  (``jax.experimental.pallas.ops.gpu.decode_attention``, run in its interpreter on a CPU).
+  q: [B, N, H]; keys, values: [B, S, H] with S a multiple of ``DECODE_BLOCK``; lengths: [B]."""
+  from jax.experimental.pallas.ops.gpu import decode_attention  # pylint: disable=g-import-not-at-top
+  return decode_attention.mqa(q, keys, values, kv_seq_len=lengths, sm_scale=scale,
+                              block_k=DECODE_BLOCK, k_splits=keys.shape[1] // DECODE_BLOCK,
+                              interpret=jax.default_backend() == "cpu")
 
 
 class MQAttention(nnx.Module):
@@ -123,6 +135,9 @@ class MQAttention(nnx.Module):
     if cache is None and self.window is not None and t > self._band_keys:
       encoded = self._banded(q, k, v, segment_pos)
       return self.proj_final(encoded.reshape(b, t, -1)), None
+    if cache is not None and t == 1:
+      encoded, new_cache = self._decode_step(q, k, v, segment_pos, cache)
+      return self.proj_final(encoded.reshape(b, t, -1)), new_cache
     if cache is None:
       keys, values, mask, new_cache = k, v, attention_mask(segment_pos, self.window), None
     else:
@@ -175,11 +190,49 @@ class MQAttention(nnx.Module):
     encoded = jnp.einsum("bcnqk,bckh->bcqnh", probs, values)
     return encoded.reshape(b, nb * bq, n, h)[:, :t]
 
+  def _decode_step(self, q, k, v, segment_pos, cache: AttentionCache):
+    """One new token per row: written into the cache first, then attention over the cache
+    alone. No copy of the cache is made: reading the old cache after updating it in place (or
+    concatenating the new token to it, as ``_with_cache`` does) makes XLA copy the whole cache
+    every step. The ring buffer of local attention has ``window + 1`` slots, so the slot the
+    new token takes is one that has just left the window.
+
+    A global cache holds position p of the current document at slot p, so on GPUs
+    (``impl == "cudnn"``) a decode kernel reads only the ``position + 1`` filled slots."""
+    new_cache = self._updated_cache(k, v, segment_pos, cache)
+    keys, values = new_cache.keys.astype(q.dtype), new_cache.values.astype(q.dtype)
+    scale = self.head_dim**-0.5
+    if self.window is None and self.impl == "cudnn" and keys.shape[1] % DECODE_BLOCK == 0:
+      attend = lambda q, keys, values, lengths: length_bounded_attention(
+          q, keys, values, lengths, scale)
+      bnh, bsh = ("batch", "heads", None), ("batch", None, None)
+      encoded = partitioning.shard_local(attend, (bnh, bsh, bsh, ("batch",)), bnh)(
+          q[:, 0], keys, values, segment_pos[:, 0] + 1)
+      return encoded[:, None], new_cache
+    visible = new_cache.positions >= 0  # [B, S]: this document's tokens (the new one included)
+    if self.window is not None:
+      visible &= segment_pos <= new_cache.positions + self.window
+    return _masked_attention(q, keys, values, visible[:, None, None, :], scale), new_cache
+
+  def _updated_cache(self, k, v, segment_pos, cache: AttentionCache) -> AttentionCache:
+    """The ring buffer after the new tokens: the last ``size`` tokens of the last document,
+    each at slot ``position % size``."""
+    size = cache.keys.shape[1]
+    doc = layers.document_ids(segment_pos)  # 0: continues the cached document
+    cached_pos = jnp.where((doc[:, -1:] == 0), cache.positions, -1)  # a new document drops it
+    last = segment_pos[:, -1:]
+    keep = (doc == doc[:, -1:]) & (segment_pos > last - size)
+    slot = jnp.where(keep, segment_pos % size, size)  # size: out of range, dropped
+    rows = jnp.arange(k.shape[0])[:, None]
+    return AttentionCache(
+        keys=cache.keys.at[rows, slot].set(k.astype(cache.keys.dtype), mode="drop"),
+        values=cache.values.at[rows, slot].set(v.astype(cache.values.dtype), mode="drop"),
+        positions=cached_pos.at[rows, slot].set(segment_pos, mode="drop"))
+
   def _with_cache(self, k, v, segment_pos, cache: AttentionCache):
     """Keys, values and mask over ``cache + new tokens``, and the updated ring buffer."""
     size = cache.keys.shape[1]
     doc = layers.document_ids(segment_pos)  # 0: continues the cached document
-    cached_pos = jnp.where((doc[:, -1:] == 0), cache.positions, -1)  # a new document drops it
     keys = jnp.concatenate([cache.keys.astype(k.dtype), k], axis=1)
     values = jnp.concatenate([cache.values.astype(v.dtype), v], axis=1)
     key_pos = jnp.concatenate([cache.positions, segment_pos], axis=1)
@@ -190,19 +243,13 @@ class MQAttention(nnx.Module):
             & (order[None, None, :] <= new_order[None, :, None]))
     if self.window is not None:
       mask &= segment_pos[:, :, None] <= key_pos[:, None, :] + self.window
-    # Ring buffer: the last `size` tokens of the last document, each at slot position % size.
-    last = segment_pos[:, -1:]
-    keep = (doc == doc[:, -1:]) & (segment_pos > last - size)
-    slot = jnp.where(keep, segment_pos % size, size)  # size: out of range, dropped
-    rows = jnp.arange(k.shape[0])[:, None]
-    new_cache = AttentionCache(
-        keys=cache.keys.at[rows, slot].set(k.astype(cache.keys.dtype), mode="drop"),
-        values=cache.values.at[rows, slot].set(v.astype(cache.values.dtype), mode="drop"),
-        positions=cached_pos.at[rows, slot].set(segment_pos, mode="drop"))
-    return keys, values, mask, new_cache
+    return keys, values, mask, self._updated_cache(k, v, segment_pos, cache)
 
   def init_cache(self, batch_size: int, max_len: int, dtype) -> AttentionCache:
-    """An empty cache: the window for local attention, ``max_len`` tokens for global."""
-    size = max_len if self.window is None else min(self.window, max_len)
+    """An empty cache: the window (and the new token) for local attention, ``max_len`` tokens
+    for global."""
+    size = max_len if self.window is None else min(self.window + 1, max_len)
+    if self.window is None and self.impl == "cudnn":  # whole blocks for the GPU decode kernel
+      size = -(-max_len // DECODE_BLOCK) * DECODE_BLOCK
     zeros = jnp.zeros((batch_size, size, self.head_dim), dtype)
     return AttentionCache(zeros, zeros, jnp.full((batch_size, size), -1, jnp.int32))

@@ -89,7 +89,8 @@ def main():
 
   results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-             "command": " ".join(sys.argv), "out": args.out, "latency": [], "throughput": []}
+             "command": " ".join(sys.argv), "out": args.out, "latency": [], "throughput": [],
+             "runs": []}
   for family in args.families.split(","):
     model = build(family)
     for prefill in prefills:
@@ -112,9 +113,13 @@ def main():
           if not out_of_memory(e):
             raise
           print(f"throughput {family} new={new} batch={batch}: out of memory", flush=True)
+          results["runs"].append(dict(family=family, new=new, batch=batch, tokens_per_sec=None))
+          write(results)
           break
         rate = batch * new / seconds
         print(f"throughput {family} new={new} batch={batch}: {rate:,.0f} tokens/s", flush=True)
+        results["runs"].append(dict(family=family, new=new, batch=batch, tokens_per_sec=rate))
+        write(results)
         if best is None or rate > best[0]:
           best = (rate, batch)
       if best is not None:
@@ -139,6 +144,11 @@ def write(results):
     ratio = f"{r['tokens_per_sec'] / base[r['new']]:.2f}x" if r["new"] in base else ""
     lines.append(f"| {r['family']} | {r['new']} | {r['batch']} | {r['tokens_per_sec']:,.0f} | "
                  f"{ratio} |")
+  lines += ["", "Every throughput run:", "", "| family | new tokens | batch | tokens/s |",
+            "|---|---|---|---|"]
+  lines += [f"| {r['family']} | {r['new']} | {r['batch']} | "
+            + ("out of memory" if r["tokens_per_sec"] is None else f"{r['tokens_per_sec']:,.0f}")
+            + " |" for r in results["runs"]]
   text = "\n".join(lines)
   with open(os.path.join(results["out"], "decode.md"), "w") as f:
     f.write(text + "\n")

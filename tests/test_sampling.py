@@ -144,5 +144,35 @@ def test_decode_benchmark_script_times_every_family(tmp_path):
   best = {r["family"]: r for r in results["throughput"]}
   assert set(best) == {"mqa", "hawk", "griffin"}
   assert all(r["batch"] in (2, 4) and r["tokens_per_sec"] > 0 for r in best.values())
+  assert [(r["family"], r["batch"]) for r in results["runs"]] == [
+      (family, batch) for family in ("mqa", "hawk", "griffin") for batch in (2, 4)]
+  assert all(best[r["family"]]["tokens_per_sec"] >= r["tokens_per_sec"] for r in results["runs"])
   table = (tmp_path / "decode.md").read_text()
   assert "| mqa | 8 |" in table and "1.00x" in table
+
+
+@pytest.mark.parametrize("family", ["mqa", "griffin"])
+def test_gpu_decode_kernel_gives_the_full_forward_logits(family):
+  """The GPU decode path (global caches in whole blocks, a kernel reading only the filled
+  slots; here in Pallas' interpreter) gives the logits of the full forward."""
+  cfg = tiny_config(family=family, num_layers=3, attention_window_size=3)
+  model = perturbed(model_lib.init_model(cfg, seed=3), seed=4, scale=0.1)
+  rng = np.random.default_rng(6)
+  prompts = [list(rng.integers(0, 53, n)) for n in (7, 2, 4)]
+  reference = [model(jnp.asarray(p)[None], jnp.arange(len(p))[None])[0] for p in prompts]
+  attention = [b.temporal for b in model.blocks if hasattr(b.temporal, "window")]
+  assert attention
+  for module in attention:
+    module.impl = "cudnn"  # only the decoding path reads it here: the GPU decode kernel
+  assert model.init_cache(3, 9)[0 if family == "mqa" else 2].keys.shape[1] == (
+      128 if family == "mqa" else 4)  # whole decode blocks; window + 1
+  out = sampling.sample(model, prompts, sampling.SamplingParams(max_new_tokens=5),
+                        return_logits=True)
+  for module in attention:
+    module.impl = "xla"
+  for row, prompt in enumerate(prompts):
+    full = np.concatenate([prompt, out.tokens[row]])
+    logits = model(jnp.asarray(full)[None], jnp.arange(len(full))[None])[0]
+    np.testing.assert_allclose(out.logits[row], logits[len(prompt) - 1: len(prompt) + 4],
+                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(reference[row][-1], logits[len(prompt) - 1], atol=1e-6)
