@@ -45,6 +45,7 @@ class ScanConfig:
   gpu_chunk: int | None = None
   gpu_num_warps: int | None = None
   gpu_eviction: str | None = None  # Triton eviction policy of the row loads and stores
+  gpu_prefetch: int | None = None  # chunks loaded ahead of the one being computed (default 1)
 
 
 def default_config(interpret: bool = False) -> ScanConfig:
