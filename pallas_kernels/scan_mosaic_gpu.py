@@ -46,6 +46,22 @@ def _interpret_params():
   return params.InterpretGPUParams()
 
 
+# Shared memory a block may use on an H100 is 227 KiB; leave room for barriers and Pallas' own
+# scratch.
+_SMEM_BUDGET = 220 * 1024
+
+
+def _fit_smem(rows, block_d, stages, y_stages, x_bytes, a_bytes):
+  """``(rows, stages)``, shrunk (stages first, down to 2; then rows) until the rings fit."""
+  def smem(rows, stages):
+    return rows * block_d * (stages * (x_bytes + a_bytes) + y_stages * x_bytes) + block_d * 4
+  while smem(rows, stages) > _SMEM_BUDGET and stages > 2:
+    stages -= 1
+  while smem(rows, stages) > _SMEM_BUDGET and rows > 1:
+    rows //= 2
+  return rows, stages
+
+
 def supports(x, a, block_d: int = 256) -> bool:
   """Whether ``linear_scan_mgpu`` can run these ``[B, T, D]`` inputs (TMA stride alignment)."""
   if x.ndim != 3 or a.shape != x.shape or block_d % _WARPGROUP:
@@ -56,7 +72,7 @@ def supports(x, a, block_d: int = 256) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("reverse", "rows", "block_d", "stages",
                                              "y_stages", "auto_barriers", "interpret"))
-def linear_scan_mgpu(x, a, h0=None, *, reverse=False, rows=32, block_d=256, stages=4, y_stages=2,
+def linear_scan_mgpu(x, a, h0=None, *, reverse=False, rows=16, block_d=256, stages=8, y_stages=2,
                      auto_barriers=False, interpret=False):
   """``(y, h_last)`` of ``h_t = a_t * h_{t-1} + x_t`` (``h_{t+1}`` when ``reverse``).
 
@@ -67,7 +83,8 @@ def linear_scan_mgpu(x, a, h0=None, *, reverse=False, rows=32, block_d=256, stag
     rows: time rows per pipeline stage (tile height).
     block_d: channels per CUDA block, a multiple of 128 (``block_d / 128`` per CUDA thread).
     stages: shared-memory slots for x and for a; ``stages - 1`` tiles are in flight while one
-      is scanned.
+      is scanned. Stages, then rows, shrink where the rings would not fit in shared memory
+      (float32 inputs take twice the bytes).
     y_stages: shared-memory slots for y (TMA stores in flight).
     auto_barriers: let Pallas put a warpgroup barrier around every shared-memory store (not
       needed here: each thread reads back only what it wrote, and the pipeline synchronises
@@ -87,6 +104,8 @@ def linear_scan_mgpu(x, a, h0=None, *, reverse=False, rows=32, block_d=256, stag
   h0 = jnp.zeros((B, D), f32) if h0 is None else h0.astype(f32)
   if d_pad != D:
     h0 = jnp.pad(h0, ((0, 0), (0, d_pad - D)))
+  rows, stages = _fit_smem(rows, block_d, stages, y_stages,
+                           jnp.dtype(x.dtype).itemsize, jnp.dtype(a.dtype).itemsize)
   n_t = pl.cdiv(T, rows)
   tail = T - (n_t - 1) * rows  # rows of the last time tile, 1..rows
   stages = min(stages, n_t)

@@ -101,6 +101,33 @@ def check(cfgs):
   return results
 
 
+def vjp_check():
+  """linear_scan_with_config with the Mosaic GPU forward (gpu_forward="mosaic"), forward and
+  backward (Triton), against the float64 reference."""
+  config = scan_core.ScanConfig(backend="gpu", gpu_forward="mosaic")
+  ok = True
+  for (b, t, d, dtype, reverse) in [(2, 257, 200, jnp.float32, False),
+                                    (3, 1000, 2560, jnp.bfloat16, True)]:
+    inp = bench_scan.make_inputs(jax.random.PRNGKey(1), t, dtype, b, d)
+    h0 = jax.random.normal(jax.random.PRNGKey(2), (b, d), jnp.float32)
+    try:
+      got = jax.vjp(lambda x, a, h: scan_linear.linear_scan_with_config(x, a, h, reverse, config),
+                    inp["x"], inp["a"], h0)
+      grads = got[1]((inp["dy"], jnp.ones((b, d), jnp.float32)))
+      with jax.enable_x64(True):
+        f64 = lambda v: jnp.asarray(np.asarray(v, np.float64))
+        ref = jax.vjp(lambda x, a, h: scan_reference.linear_scan_reference(x, a, h,
+                                                                           reverse=reverse),
+                      f64(inp["x"]), f64(inp["a"]), f64(h0))
+        ref_grads = ref[1]((f64(inp["dy"]), jnp.ones((b, d), jnp.float64)))
+        bench_scan._report("linear_scan gpu_forward=mosaic", (b, t, d, dtype.__name__, reverse),
+                           got[0] + grads, ref[0] + ref_grads, dtype)
+    except Exception as e:  # pylint: disable=broad-except
+      ok = False
+      print(f"vjp check {(b, t, d, reverse)}: ERROR\n{short_error(e)}", flush=True)
+  return ok
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True)
@@ -110,6 +137,9 @@ def main():
                       "32:128:4:2,32:256:4:2:auto")
   parser.add_argument("--triton", default="256:4:32:1,256:4:16:3,256:4:32:2")
   parser.add_argument("--no-check", action="store_true")
+  parser.add_argument("--vjp", action="store_true",
+                      help="also check and time linear_scan (custom VJP) with the Mosaic GPU "
+                      "forward against the all-Triton default, forward + backward")
   parser.add_argument("--check-only", default="",
                       help="comma-separated subset of --mgpu configs to check (default: all)")
   args = parser.parse_args()
@@ -123,6 +153,8 @@ def main():
   if not args.no_check:
     subset = args.check_only.split(",") if args.check_only else mgpu_specs
     checked = check({s: cfgs[s] for s in subset})
+  if args.vjp:
+    checked["vjp gpu_forward=mosaic"] = vjp_check()
   ceiling = bench_scan.copy_ceiling_tbps(args.iters)
   print(f"HBM copy ceiling: {ceiling:.2f} TB/s", flush=True)
 
@@ -130,19 +162,30 @@ def main():
   variants += [(f"triton {s}", functools.partial(triton_fn, s))
                for s in args.triton.split(",") if s]
   variants += [(f"mgpu {s}", functools.partial(mgpu_fn, cfgs[s])) for s in mgpu_specs]
+  if args.vjp:
+    for fwd in ("triton", "mosaic"):
+      config = scan_core.ScanConfig(backend="gpu", gpu_forward=fwd)
+      f = lambda x, a, h0, config=config: scan_linear.linear_scan_with_config(x, a, h0, False,
+                                                                              config)
+      variants.append((f"linear_scan gpu_forward={fwd} fwd", lambda f=f: jax.jit(f)))
+      variants.append((f"linear_scan gpu_forward={fwd} fwd+bwd",
+                       lambda f=f: bench_scan.vjp_fn(f, 3)))
   rows = []
   for t in map(int, args.ts.split(",")):
     inp = bench_scan.make_inputs(jax.random.PRNGKey(t), t)
     x, a = inp["x"], inp["a"]
     h0 = jnp.zeros((B, D), jnp.float32)
-    floor_bytes = 3 * bench_scan.units(t)
     for name, make in variants:
+      both = name.endswith("fwd+bwd")
+      # Bytes: forward reads x, a and writes y; the backward also reads dy, a, y, writes dx, da.
+      floor_bytes = (8 if both else 3) * bench_scan.units(t)
+      call_args = (x, a, h0, inp["dy"]) if both else (x, a, h0)
       try:
         f = make()
         start = time.perf_counter()
-        jax.block_until_ready(f(x, a, h0))
+        jax.block_until_ready(f(*call_args))
         first_s = time.perf_counter() - start
-        ms = bench_scan.time_fn(f, x, a, h0, iters=args.iters)
+        ms = bench_scan.time_fn(f, *call_args, iters=args.iters)
       except Exception as e:  # pylint: disable=broad-except
         print(f"T={t} {name}: ERROR\n{short_error(e)}", flush=True)
         continue
