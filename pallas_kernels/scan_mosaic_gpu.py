@@ -3,27 +3,35 @@
 The Triton kernel (``scan_gpu.py``) prefetches one chunk of rows into registers, which keeps too
 few bytes in flight to reach the copy ceiling with only ``B * D / 256`` programs. This kernel
 moves the rows with TMA instead: each CUDA block (one Pallas thread = one warpgroup of 128 CUDA
-threads) owns one batch row and ``block_d`` channels and walks the whole time axis through
-``plgpu.emit_pipeline``, which keeps ``stages - 1`` tiles of ``[rows, block_d]`` of ``x`` and ``a``
-in flight (TMA into a ``stages``-slot shared-memory ring, completion tracked by mbarriers) while
-the current tile is scanned; ``y`` tiles go back to HBM with TMA stores from their own ring.
+threads) owns one batch row and ``block_d`` channels and walks the whole time axis over tiles of
+``[rows, block_d]``. ``x`` and ``a`` tiles arrive by TMA (``copy_gmem_to_smem``) in a
+``stages``-slot shared-memory ring, one mbarrier per slot; a slot is refilled with the tile
+``stages`` steps ahead as soon as it has been scanned, so ``stages - 1`` tiles are in flight
+while one is scanned. ``y`` tiles go back by TMA (``copy_smem_to_gmem``) from their own, smaller
+ring of ``y_stages`` slots. (The pipeline is written out rather than taken from
+``plgpu.emit_pipeline``: a separate, smaller y ring leaves shared memory for more input stages,
+and Pallas' Mosaic GPU interpreter, which the CPU tests use, does not run emit_pipeline's
+predicated output copies.)
 
 Inside a tile the recurrence runs row by row from shared memory: row ``r`` of a tile is loaded
 as a ``[block_d]`` array in the strided layout (each CUDA thread owns ``block_d / 128``
 consecutive channels), combined with the float32 carry in registers and stored to the ``y``
-tile. The carry is the pipeline's loop carry (registers), so it never round-trips through
-memory between tiles. ``h0`` comes in and ``h_last`` goes out through a ``[block_d]`` float32
-shared-memory buffer with one TMA copy each.
+tile; the rows of a tile are unrolled. The carry is the step loop's carry (registers), so it
+never round-trips through memory between tiles. ``h0`` comes in and ``h_last`` goes out through
+a ``[block_d]`` float32 shared-memory buffer with one TMA copy each.
 
 Ragged shapes: rows past ``T`` in the last tile are zero-filled by TMA on the way in and
-clipped on the way out; the last tile in scan order runs a shorter, separately traced loop
-(``lax.cond``) so the carry never sees them. Channels past ``D`` in the last ``block_d`` tile are
+clipped on the way out; the tile that holds the end of T (the last in scan order, the first
+when reversed) runs a shorter, separately traced loop (``lax.cond``) so the carry never sees
+them. Channels past ``D`` in the last ``block_d`` tile are
 likewise zero-filled / clipped; ``h0`` and ``h_last`` travel padded to a multiple of ``block_d``.
 TMA needs 16-byte aligned row strides, so ``D * itemsize`` must be a multiple of 16 for every
 stream; ``supports`` says whether a shape can run here (callers fall back to Triton otherwise).
 
-Forward only (no custom VJP): ``linear_scan_mgpu`` is what the benchmark times beside the Triton
-forward; ``reverse=True`` walks the tiles and the rows of each tile backwards.
+Forward only (no custom VJP of its own): ``scan_linear`` uses it as the forward of
+``linear_scan`` when ``ScanConfig.gpu_forward == "mosaic"`` (the backward stays Triton);
+``reverse=True`` walks the tiles and the rows of each tile backwards. Measured on an H100 in
+docs/kernels.md ("Mosaic GPU forward").
 """
 
 from __future__ import annotations
