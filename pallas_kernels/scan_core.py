@@ -45,6 +45,10 @@ class ScanConfig:
   gpu_chunk: int | None = None
   gpu_num_warps: int | None = None
   gpu_eviction: str | None = None  # Triton eviction policy of the row loads and stores
+  gpu_prefetch: int | None = None  # chunks loaded ahead of the one being computed (default 1)
+  # The linear scan's forward on GPU: "triton" (blocked_scan) or "mosaic" (scan_mosaic_gpu: TMA
+  # pipeline, Hopper and newer; shapes it does not support fall back to Triton).
+  gpu_forward: str = "triton"
 
 
 def default_config(interpret: bool = False) -> ScanConfig:

@@ -55,7 +55,7 @@ def gpu_scan(step, streams, carries0, *, out_dtypes, reverse, config, lookahead,
       _kernel, step=step, n_streams=len(streams), has_lookahead=lookahead is not None,
       n_rows=len(rows), n_params=len(params), n_carries=len(carries0),
       out_dtypes=tuple(out_dtypes), reverse=reverse, T=T, D=D, block_d=block_d, chunk=chunk,
-      eviction=config.gpu_eviction)
+      eviction=config.gpu_eviction, prefetch=config.gpu_prefetch or 1)
   results = pl.pallas_call(
       kernel,
       out_shape=out_shape,
@@ -68,7 +68,7 @@ def gpu_scan(step, streams, carries0, *, out_dtypes, reverse, config, lookahead,
 
 
 def _kernel(*refs, step, n_streams, has_lookahead, n_rows, n_params, n_carries, out_dtypes,
-            reverse, T, D, block_d, chunk, eviction):
+            reverse, T, D, block_d, chunk, eviction, prefetch):
   refs = list(refs)
 
   def take(n):
@@ -126,15 +126,16 @@ def _kernel(*refs, step, n_streams, has_lookahead, n_rows, n_params, n_carries, 
       return [load_step(k * chunk + i, False) for i in range(chunk)]
 
     def chunk_body(k, state):
-      carries, current = state
-      # Issue the next chunk's loads first so they are in flight during this chunk's steps
-      # (clamped: the last iteration reloads its own chunk, which is harmless).
-      upcoming = load_chunk(jnp.minimum(k + 1, n_chunks - 1))
-      for i, ins in enumerate(current):
+      carries, ahead = state  # the rows of chunks k .. k + prefetch - 1, already loaded
+      # Issue the loads of chunk k + prefetch first so they are in flight during this chunk's
+      # steps (clamped: the last iterations reload the last chunk, which is harmless).
+      upcoming = load_chunk(jnp.minimum(k + prefetch, n_chunks - 1))
+      for i, ins in enumerate(ahead[0]):
         carries = run_step(k * chunk + i, ins, carries)
-      return carries, upcoming
+      return carries, ahead[1:] + [upcoming]
 
-    carries, _ = jax.lax.fori_loop(0, n_chunks, chunk_body, (carries, load_chunk(0)))
+    first = [load_chunk(jnp.minimum(i, n_chunks - 1)) for i in range(prefetch)]
+    carries, _ = jax.lax.fori_loop(0, n_chunks, chunk_body, (carries, first))
 
   tail = [load_step(n_chunks * chunk + i, False) for i in range(n_tail)]
   for i, ins in enumerate(tail):

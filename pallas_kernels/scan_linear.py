@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import scan_core
+from pallas_kernels import scan_mosaic_gpu
 
 
 def _forward_step(carries, ins):
@@ -49,8 +50,12 @@ def linear_scan_with_config(x, a, h0, reverse: bool, config: scan_core.ScanConfi
 
 
 def _forward(x, a, h0, reverse, config):
-  (y,), (h_last,) = scan_core.blocked_scan(
-      _forward_step, (x, a), (h0,), out_dtypes=(x.dtype,), reverse=reverse, config=config)
+  if (config.backend == "gpu" and config.gpu_forward == "mosaic" and not config.interpret
+      and scan_mosaic_gpu.supports(x, a)):
+    y, h_last = scan_mosaic_gpu.linear_scan_mgpu(x, a, h0, reverse=reverse)
+  else:
+    (y,), (h_last,) = scan_core.blocked_scan(
+        _forward_step, (x, a), (h0,), out_dtypes=(x.dtype,), reverse=reverse, config=config)
   return (y, h_last), (a, y, h0)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from pallas_kernels import rg_lru_fused, scan_core, scan_linear, scan_reference
+from pallas_kernels import rg_lru_fused, scan_core, scan_linear, scan_mosaic_gpu, scan_reference
 
 TPU_SMALL_BLOCKS = scan_core.ScanConfig(backend="tpu", interpret=True, block_b=2, block_t=32,
                                         block_d=128)
@@ -86,6 +86,31 @@ def test_linear_scan_bfloat16_gpu_kernel():
   def scan(x, a, h0, reverse):
     return scan_linear.linear_scan_with_config(x, a, h0, reverse, GPU_INTERPRET)
   check_scan(scan, (2, 33, 70), jnp.bfloat16, False, True, seed=3)
+
+
+def test_linear_scan_gpu_kernel_deeper_prefetch():
+  # Three chunks loaded ahead of the one computed: clamped reloads at the end, then the tail.
+  config = scan_core.ScanConfig(backend="gpu", interpret=True, gpu_block_d=64, gpu_chunk=4,
+                                gpu_prefetch=3)
+  def scan(x, a, h0, reverse):
+    return scan_linear.linear_scan_with_config(x, a, h0, reverse, config)
+  check_scan(scan, (2, 30, 70), jnp.bfloat16, True, True, seed=5)
+
+
+@pytest.mark.parametrize("dtype,reverse", [(jnp.float32, False), (jnp.bfloat16, True)])
+def test_mosaic_gpu_scan_forward(dtype, reverse):
+  # Pallas' Mosaic GPU interpreter: several pipeline steps (fewer slots than steps), a short
+  # last time tile and a partial channel block (T=37, D=200 with 8-row tiles, 128 channels).
+  shape = (2, 37, 200)
+  x, a, h0, _ = scan_inputs(11, shape, dtype)
+  y, h_last = scan_mosaic_gpu.linear_scan_mgpu(x, a, h0, reverse=reverse, rows=8, block_d=128,
+                                               stages=3, interpret=True)
+  assert y.dtype == dtype and y.shape == shape and h_last.dtype == jnp.float32
+  with jax.enable_x64(True):
+    y_ref, h_ref = scan_reference.linear_scan_reference(f64(x), f64(a), f64(h0),
+                                                        reverse=reverse)
+  assert rel_err(y, y_ref) < TOLERANCE[dtype]
+  assert rel_err(h_last, h_ref) < 1e-5
 
 
 def test_linear_scan_rejects_bad_shapes():
