@@ -47,17 +47,22 @@ class ScanConfig:
   gpu_eviction: str | None = None  # Triton eviction policy of the row loads and stores
   gpu_prefetch: int | None = None  # chunks loaded ahead of the one being computed (default 1)
   # The linear scan's forward on GPU: "triton" (blocked_scan) or "mosaic" (scan_mosaic_gpu: TMA
-  # pipeline, Hopper and newer; shapes it does not support fall back to Triton).
+  # pipeline, Hopper and newer; shapes it does not support fall back to Triton). default_config
+  # picks "mosaic" on Hopper and newer (measured faster, docs/kernels.md), "triton" before.
   gpu_forward: str = "triton"
 
 
 def default_config(interpret: bool = False) -> ScanConfig:
-  """The TPU kernel on TPU and (interpreted) on CPU or when asked; the Triton kernel on GPU."""
+  """The TPU kernel on TPU and (interpreted) on CPU or when asked; on GPU the Triton kernels,
+  with the linear scan's forward through Mosaic GPU on Hopper and newer."""
   platform = jax.default_backend()
   if interpret or platform == "cpu":
     return ScanConfig(backend="tpu", interpret=True)
   if platform == "gpu":
-    return ScanConfig(backend="gpu")
+    from pallas_kernels import scan_mosaic_gpu  # pylint: disable=g-import-not-at-top
+    capability = getattr(jax.devices()[0], "compute_capability", "0")
+    return ScanConfig(backend="gpu", gpu_forward="mosaic"
+                      if scan_mosaic_gpu.tma_capable(capability) else "triton")
   return ScanConfig(backend="tpu")
 
 

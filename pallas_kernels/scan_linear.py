@@ -50,9 +50,9 @@ def linear_scan_with_config(x, a, h0, reverse: bool, config: scan_core.ScanConfi
 
 
 def _forward(x, a, h0, reverse, config):
-  if (config.backend == "gpu" and config.gpu_forward == "mosaic" and not config.interpret
-      and scan_mosaic_gpu.supports(x, a)):
-    y, h_last = scan_mosaic_gpu.linear_scan_mgpu(x, a, h0, reverse=reverse)
+  if config.backend == "gpu" and config.gpu_forward == "mosaic" and scan_mosaic_gpu.supports(x, a):
+    y, h_last = scan_mosaic_gpu.linear_scan_mgpu(x, a, h0, reverse=reverse,
+                                                 interpret=config.interpret)
   else:
     (y,), (h_last,) = scan_core.blocked_scan(
         _forward_step, (x, a), (h0,), out_dtypes=(x.dtype,), reverse=reverse, config=config)

@@ -45,6 +45,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 _WARPGROUP = 128
+# The defaults: the fastest configuration whose output was checked on a GPU (H100, docs/kernels.md:
+# 75.8% of the copy ceiling at T = 8192, every checked shape correct). 16 rows x 256 channels x 8
+# stages ran faster (85.6%) but has been checked only in the interpreter so far.
+ROWS, BLOCK_D, STAGES = 32, 128, 4
 
 
 def _interpret_params():
@@ -70,7 +74,12 @@ def _fit_smem(rows, block_d, stages, y_stages, x_bytes, a_bytes):
   return rows, stages
 
 
-def supports(x, a, block_d: int = 256) -> bool:
+def tma_capable(compute_capability: str) -> bool:
+  """Whether a CUDA device of this compute capability (``"9.0"``) has TMA (Hopper and newer)."""
+  return int(str(compute_capability).split(".")[0]) >= 9
+
+
+def supports(x, a, block_d: int = BLOCK_D) -> bool:
   """Whether ``linear_scan_mgpu`` can run these ``[B, T, D]`` inputs (TMA stride alignment)."""
   if x.ndim != 3 or a.shape != x.shape or block_d % _WARPGROUP:
     return False
@@ -80,8 +89,8 @@ def supports(x, a, block_d: int = 256) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("reverse", "rows", "block_d", "stages",
                                              "y_stages", "auto_barriers", "interpret"))
-def linear_scan_mgpu(x, a, h0=None, *, reverse=False, rows=16, block_d=256, stages=8, y_stages=2,
-                     auto_barriers=False, interpret=False):
+def linear_scan_mgpu(x, a, h0=None, *, reverse=False, rows=ROWS, block_d=BLOCK_D, stages=STAGES,
+                     y_stages=2, auto_barriers=False, interpret=False):
   """``(y, h_last)`` of ``h_t = a_t * h_{t-1} + x_t`` (``h_{t+1}`` when ``reverse``).
 
   Args:

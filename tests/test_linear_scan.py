@@ -113,6 +113,32 @@ def test_mosaic_gpu_scan_forward(dtype, reverse):
   assert rel_err(h_last, h_ref) < 1e-5
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+def test_linear_scan_with_the_mosaic_gpu_forward(reverse):
+  # linear_scan's custom VJP with the Mosaic GPU forward (its interpreter) and the Triton
+  # backward (Pallas' interpreter): values and gradients against float64.
+  config = scan_core.ScanConfig(backend="gpu", interpret=True, gpu_block_d=64, gpu_chunk=4,
+                                gpu_forward="mosaic")
+  def scan(x, a, h0, reverse):
+    return scan_linear.linear_scan_with_config(x, a, h0, reverse, config)
+  check_scan(scan, (2, 45, 136), jnp.bfloat16, reverse, True, seed=13)
+
+
+def test_mosaic_gpu_scan_defaults_and_choice():
+  # The default tiles (the GPU-checked configuration) over more tiles than stages, ragged T and
+  # D, in the interpreter; and the forward is Mosaic GPU only where TMA exists.
+  shape = (1, 150, 200)
+  x, a, h0, _ = scan_inputs(12, shape, jnp.bfloat16)
+  y, h_last = scan_mosaic_gpu.linear_scan_mgpu(x, a, h0, interpret=True)
+  with jax.enable_x64(True):
+    y_ref, h_ref = scan_reference.linear_scan_reference(f64(x), f64(a), f64(h0))
+  assert rel_err(y, y_ref) < TOLERANCE[jnp.bfloat16] and rel_err(h_last, h_ref) < 1e-5
+  assert [scan_mosaic_gpu.tma_capable(c) for c in ("8.0", "8.9", "9.0", "10.0")] == [
+      False, False, True, True]
+  assert not scan_mosaic_gpu.supports(jnp.zeros((1, 4, 7), jnp.bfloat16),
+                                      jnp.zeros((1, 4, 7), jnp.bfloat16))  # 14-byte rows
+
+
 def test_linear_scan_rejects_bad_shapes():
   x = jnp.zeros((2, 8, 4))
   with pytest.raises(ValueError):
