@@ -9,11 +9,13 @@ is a small XLA computation here.
 """
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import gla_calls
+from pallas_kernels import gla_gpu
 from pallas_kernels.gla_chunk import SUB
 from pallas_kernels.gla_reference import (chunk_reset_counts, default_scale, gla_recurrent_step,
                                           gla_reference)
@@ -21,6 +23,10 @@ from pallas_kernels.gla_reference import (chunk_reset_counts, default_scale, gla
 __all__ = ["chunk_gla", "gla_recurrent_step", "gla_reference"]
 
 F32 = jnp.float32
+
+# The GPU path: "xla" (gla_gpu: batched products in XLA and the Pallas linear-scan kernel for
+# the chunk recurrence) or "pallas" (the four Triton kernels of gla_calls, kept for comparison).
+GPU_IMPL = os.environ.get("GLA_GPU_IMPL", "xla")
 
 
 def chunk_gla(q, k, v, log_g, h0=None, *, scale=None, reset=None, chunk_size=64,
@@ -61,6 +67,13 @@ def chunk_gla(q, k, v, log_g, h0=None, *, scale=None, reset=None, chunk_size=64,
 
   c = plan.chunk
   tp = -(-t // c) * c
+  if platform == "gpu" and GPU_IMPL == "xla":
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2))
+    s0 = jnp.zeros((bsz, h, dk, dv), F32) if h0 is None else h0.astype(F32)
+    rc = None if reset is None else chunk_reset_counts(pad(reset), c)
+    o, s_last = gla_gpu.gla(scale, c, plan.interpret, pad(q), pad(k.astype(q.dtype)),
+                            pad(v.astype(q.dtype)), pad(log_g), s0, rc)
+    return o[:, :t], s_last
   # Triton tiles are powers of two (and dots at least 16 wide): pad K and V with zeros, which
   # leave the padded state rows/columns at zero.
   kp, vp = (_pow2(dk), _pow2(dv)) if platform == "gpu" else (dk, dv)
