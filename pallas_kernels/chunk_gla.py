@@ -1,11 +1,13 @@
-"""Gated Linear Attention, chunkwise-parallel Pallas kernel with a custom VJP.
+"""Gated Linear Attention, chunkwise-parallel, with a custom VJP; dispatches by platform.
 
-Forward: a sequential pass computes the state at every chunk start (gla_calls.states), then
-every chunk's output is computed in parallel from its inputs and its starting state. Backward
-(recomputing those states rather than keeping them, as in the GLA paper): a reversed
-sequential pass gives d(state) at every chunk end, then a parallel pass gives dq, dk, dv and
-the chunk-local part of d log_g; the rest of d log_g (a reverse cumulative sum across chunks)
-is a small XLA computation here.
+GPU: `gla_gpu` (batched products in XLA, the Pallas linear-scan kernel across chunks), unless
+GPU_IMPL is "pallas". TPU (and GPU_IMPL "pallas"): the Pallas kernels of gla_calls. Forward: a
+sequential pass computes the state at every chunk start (gla_calls.states), then every chunk's
+output is computed in parallel from its inputs and its starting state. Backward (recomputing
+those states rather than keeping them, as in the GLA paper): a reversed sequential pass gives
+d(state) at every chunk end, then a parallel pass gives dq, dk, dv and the chunk-local part of
+d log_g; the rest of d log_g (a reverse cumulative sum across chunks) is a small XLA
+computation here.
 """
 
 import functools

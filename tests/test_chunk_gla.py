@@ -1,5 +1,7 @@
 """chunk_gla (Pallas, interpret mode on the CPU) against a float64 NumPy step-by-step recurrence."""
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -77,6 +79,14 @@ def check_against_recurrence(inputs, with_reset, **kw):
 def test_matches_recurrence(platform, shape, chunk):
   inputs = random_inputs(sum(shape), *shape)
   check_against_recurrence(inputs, False, platform=platform, chunk_size=chunk)
+
+
+def test_previous_gpu_kernels_still_match(monkeypatch):
+  # chunk_gla.GPU_IMPL = "pallas": the four Triton kernels of gla_calls (kept for comparison).
+  # (the package exports the function under the module's name, hence sys.modules)
+  monkeypatch.setattr(sys.modules["pallas_kernels.chunk_gla"], "GPU_IMPL", "pallas")
+  inputs = random_inputs(23, 1, 45, 2, 16, 8, max_decay=20.0)
+  check_against_recurrence(inputs, False, platform="gpu", chunk_size=32)
 
 
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])
