@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import gla_gpu_intra
 from pallas_kernels import scan_core
 from pallas_kernels import scan_linear
 
@@ -52,6 +53,11 @@ F32 = jnp.float32
 # "associative" (lax.associative_scan in XLA) or "loop" (lax.scan): the last two are not
 # measured on a GPU; overridable for benchmarking and debugging.
 SCAN = os.environ.get("GLA_GPU_SCAN", "pallas")
+
+# How the forward's per-chunk part (A and o) runs: "xla" (the default, measured: batched
+# products and a fused diagonal-block reduction) or "pallas" (gla_gpu_intra's Triton kernel:
+# one program per chunk, o written straight into [B, T, H, V]; not measured on a GPU yet).
+INTRA = os.environ.get("GLA_GPU_INTRA", "xla")
 
 
 def _prec(dt):
@@ -224,6 +230,10 @@ def _fwd(scale, c, interpret, q, k, v, g, s0, rc):
   u = _mm("...ck,...cv->...kv", ch.k.astype(F32) * ch.k_out, vt, dt)   # [B, H, NT, K, V]
   ends, s_last = ch.scan_states(u, s0, False, interpret)
   starts = jnp.concatenate([s0[:, :, None], ends[:, :, :-1]], axis=2)
+  if INTRA == "pallas":
+    o, attn = gla_gpu_intra.forward(q, k, v, ch.b, starts, rc, scale=scale, chunk=c,
+                                    interpret=interpret)
+    return (o, s_last), (q, k, v, g, s0, rc, starts, attn, s_last)
   attn = _attention(ch.qs, ch.k.astype(F32), ch.b, ch.keep, dt).astype(dt)
   o = _mm("...ck,...kv->...cv", ch.qs * ch.q_in, starts, dt) + _mm("...tu,...uv->...tv",
                                                                    attn, vt, dt)

@@ -1,0 +1,157 @@
+"""Triton (Pallas) kernel for the per-chunk part of gla_gpu's forward (opt-in: gla_gpu.INTRA).
+
+One program per (batch row, head, chunk) of C tokens (a power of two >= 16; SUB = 16-row
+sub-chunks). From the chunk's q, k, v tiles (read in the caller's [B, T, H, X] layout, strided),
+its chunk-local cumulative log-gate b (float32, [B, H, NT, C, K]) and its entering state S_n
+(float32, [B, H, NT, K, V]) it writes
+
+    o = (scale q exp(b)) S_n + A v          (straight into [B, T, H, V]: no transpose after)
+    A_tu = scale sum_k q_tk k_uk exp(b_tk - b_uk),  u <= t  (in q's dtype, [B, H, NT, C, C]:
+                                                            the backward keeps it)
+
+with the same arithmetic as gla_gpu._attention (secondary chunking):
+
+- off-diagonal 16 x 16 blocks (query sub-chunk i, key sub-chunk j < i) by one tensor-core dot
+  each, after rescaling both sides to the cumulative gate just before sub-chunk i, `ref_i`:
+  the query side by exp(b_t - ref_i), the key side by exp(ref_i - b_u), both exponents <= 0
+  (clamped at 0), operands in the input dtype, float32 accumulation;
+- diagonal 16 x 16 blocks in float32 log space, one key row u at a time: column u of the block
+  is sum_k (q_i * k_u * exp(min(b_i - b_u, 0)))[:, k] over a [16, K] tile (never a
+  [16, 16, K] tensor in registers), placed by a select;
+- A v and the inter-chunk term by dots of [16, 16] x [16, V] and [16, K] x [K, V].
+
+Every exponent is a later minus an earlier cumulative log-gate, clamped at 0 where a masked pair
+would make it positive: gates of e^-20 per step give no inf or NaN.
+
+Resets (packed documents) are supported with the same masks as gla_gpu (reset counts `rc`: a
+query sees the entering state only with count 0, pairs attend only with equal counts).
+
+Triton constraints: every block dimension must be a power of two and dot operands at least 16
+wide, so K and V are zero-padded here to max(16, next power of two) when they are not already
+(the zero columns contribute nothing; o is sliced back). Dh = 64 or 128 needs no padding.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+SUB = 16
+F32 = jnp.float32
+
+
+def _pow2(n):
+  return max(16, 1 << (n - 1).bit_length())
+
+
+def _dot(a, b, contract, dtype):
+  """a . b contracting a's axis contract[0] with b's contract[1]; operands in dtype, f32 acc."""
+  prec = lax.Precision.HIGHEST if dtype == F32 else lax.Precision.DEFAULT
+  return lax.dot_general(a.astype(dtype), b.astype(dtype),
+                         (((contract[0],), (contract[1],)), ((), ())),
+                         precision=prec, preferred_element_type=F32)
+
+
+def _exp_le0(x):
+  return jnp.exp(jnp.minimum(x, 0.0))
+
+
+def _iota(shape, dim):
+  return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def _forward_kernel(*refs, scale, c, has_resets):
+  if has_resets:
+    q_ref, k_ref, v_ref, b_ref, s_ref, rc_ref, rr_ref, o_ref, a_ref = refs
+  else:
+    q_ref, k_ref, v_ref, b_ref, s_ref, o_ref, a_ref = refs
+    rc_ref = rr_ref = None
+  dt = q_ref.dtype
+  n = c // SUB
+  state = s_ref[...]                                              # [K, V] float32
+  causal = _iota((SUB, SUB), 1) <= _iota((SUB, SUB), 0)
+  cols = _iota((SUB, SUB), 1)
+  for i in range(n):
+    rows_i = pl.ds(i * SUB, SUB)
+    qi = q_ref[rows_i, :].astype(F32) * scale                    # [16, K]
+    bi = b_ref[rows_i, :]                                         # [16, K]
+    rc_i = None if rc_ref is None else rc_ref[rows_i, :]          # [16, 1]
+    # Inter-chunk term: (scale q exp(b)) S_n, only for queries that see the entering state.
+    q_in = qi * jnp.exp(bi)
+    if rc_i is not None:
+      q_in = jnp.where(rc_i == 0.0, q_in, 0.0)
+    acc = _dot(q_in, state, (1, 0), dt)                           # [16, V]
+    # Off-diagonal blocks: both sides rescaled to ref_i, the cumulative gate before row 16 i.
+    if i > 0:
+      ref_i = b_ref[pl.ds(i * SUB - 1, 1), :]                     # [1, K]
+      q_rs = qi * _exp_le0(bi - ref_i)
+      for j in range(i):
+        rows_j = pl.ds(j * SUB, SUB)
+        k_rs = k_ref[rows_j, :].astype(F32) * _exp_le0(ref_i - b_ref[rows_j, :])
+        a_ij = _dot(q_rs, k_rs, (1, 1), dt)                       # [16, 16]
+        if rc_i is not None:
+          a_ij = jnp.where(rc_i == rr_ref[:, rows_j], a_ij, 0.0)
+        a_ij = a_ij.astype(dt)
+        a_ref[rows_i, rows_j] = a_ij
+        acc += _dot(a_ij, v_ref[rows_j, :], (1, 0), dt)
+    # Diagonal block, float32 log space, one key row at a time.
+    def key_row(u, a_ii):
+      row = pl.ds(i * SUB + u, 1)
+      k_u = k_ref[row, :].astype(F32)                             # [1, K]
+      b_u = b_ref[row, :]
+      col = jnp.sum(qi * k_u * _exp_le0(bi - b_u), axis=1, keepdims=True)  # [16, 1]
+      return a_ii + jnp.where(cols == u, col, 0.0)
+
+    a_ii = lax.fori_loop(0, SUB, key_row, jnp.zeros((SUB, SUB), F32))
+    keep = causal
+    if rc_i is not None:
+      keep = keep & (rc_i == rr_ref[:, rows_i])
+    a_ii = jnp.where(keep, a_ii, 0.0).astype(dt)
+    a_ref[rows_i, rows_i] = a_ii
+    acc += _dot(a_ii, v_ref[rows_i, :], (1, 0), dt)
+    for j in range(i + 1, n):
+      a_ref[rows_i, pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), a_ref.dtype)
+    o_ref[rows_i, :] = acc.astype(o_ref.dtype)
+
+
+def forward(q, k, v, b, starts, rc, *, scale, chunk, interpret=False):
+  """(o [B, Tp, H, V] in q's dtype, A [B, H, NT, C, C] in q's dtype).
+
+  q, k: [B, Tp, H, K], v: [B, Tp, H, V] (q's dtype); b: [B, H, NT, C, K] float32 chunk-local
+  inclusive cumulative log-gate; starts: [B, H, NT, K, V] float32 state at each chunk start;
+  rc: [B, Tp] float32 reset counts (gla_reference.chunk_reset_counts) or None.
+  """
+  bsz, tp, h, kd = q.shape
+  vd = v.shape[-1]
+  c = chunk
+  nt = tp // c
+  kp, vp = _pow2(kd), _pow2(vd)
+  if kp != kd:
+    padk = lambda x: jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, kp - kd),))
+    q, k, b = padk(q), padk(k), padk(b)
+    starts = jnp.pad(starts, ((0, 0),) * 3 + ((0, kp - kd), (0, 0)))
+  if vp != vd:
+    v = jnp.pad(v, ((0, 0),) * 3 + ((0, vp - vd),))
+    starts = jnp.pad(starts, ((0, 0),) * 4 + ((0, vp - vd),))
+  tile = lambda w: pl.BlockSpec((None, c, None, w), lambda bb, hh, nn: (bb, nn, hh, 0))
+  chunk_block = lambda x, y: pl.BlockSpec((None, None, None, x, y),
+                                          lambda bb, hh, nn: (bb, hh, nn, 0, 0))
+  in_specs = [tile(kp), tile(kp), tile(vp), chunk_block(c, kp), chunk_block(kp, vp)]
+  args = [q, k, v, b, starts]
+  if rc is not None:
+    in_specs += [pl.BlockSpec((None, c, 1), lambda bb, hh, nn: (bb, nn, 0)),
+                 pl.BlockSpec((None, None, 1, c), lambda bb, hh, nn: (bb, nn, 0, 0))]
+    args += [rc.reshape(bsz, tp, 1), rc.reshape(bsz, nt, 1, c)]
+  out_shape = [jax.ShapeDtypeStruct((bsz, tp, h, vp), q.dtype),
+               jax.ShapeDtypeStruct((bsz, h, nt, c, c), q.dtype)]
+  out_specs = [tile(vp), chunk_block(c, c)]
+  kernel = functools.partial(_forward_kernel, scale=scale, c=c, has_resets=rc is not None)
+  width = max(kp, vp)
+  o, a = pl.pallas_call(
+      kernel, grid=(bsz, h, nt), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      compiler_params=plgpu.CompilerParams(num_warps=4 if width <= 64 else 8, num_stages=1),
+      interpret=interpret)(*args)
+  return o[..., :vd], a
