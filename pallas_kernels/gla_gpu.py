@@ -251,6 +251,12 @@ def _bwd(scale, c, interpret, res, cts):
   w = _mm("...ck,...cv->...kv", q_in, dot, dt)
   d_starts, ds0 = ch.scan_states(w, ds_last.astype(F32), True, interpret)
   d_ends = jnp.concatenate([d_starts[:, :, 1:], ds_last[:, :, None].astype(F32)], axis=2)
+  if INTRA == "pallas":
+    dq, dk, dv, within = gla_gpu_intra.backward(q, k, v, do, ch.b, starts, d_ends, attn, rc,
+                                                scale=scale, chunk=c, interpret=interpret)
+    dlog_g = _across_chunks(within, c) + jnp.sum(ds_last * s_last, axis=-1)[:, None]
+    return (dq, dk.astype(k.dtype), dv.astype(v.dtype), dlog_g.astype(g.dtype),
+            ds0.astype(s0.dtype), None)
   dattn = jnp.where(ch.keep, _mm("...tv,...uv->...tu", dot, vt, dt), 0.0)
   kf = ch.k.astype(F32)
   dqs, dk = _attention_grads(dattn, ch.qs, kf, ch.b, dt)
@@ -271,6 +277,15 @@ def _reverse_cumsum(x):
   totals = within[..., 0:1, :]                                     # [B, H, NT, 1, K]
   later = jnp.flip(jnp.cumsum(jnp.flip(totals, 2), axis=2), 2) - totals
   return within + later
+
+
+def _across_chunks(within, c):
+  """within [B, Tp, H, K] (reverse cumulative sums inside each chunk) + all later chunks' sums."""
+  bsz, tp, h, kd = within.shape
+  x = within.reshape(bsz, tp // c, c, h, kd)
+  totals = x[:, :, 0:1]                                            # [B, NT, 1, H, K]
+  later = jnp.flip(jnp.cumsum(jnp.flip(totals, 1), axis=1), 1) - totals
+  return (x + later).reshape(within.shape)
 
 
 gla.defvjp(_fwd, _bwd)

@@ -155,3 +155,140 @@ def forward(q, k, v, b, starts, rc, *, scale, chunk, interpret=False):
       compiler_params=plgpu.CompilerParams(num_warps=4 if width <= 64 else 8, num_stages=1),
       interpret=interpret)(*args)
   return o[..., :vd], a
+
+
+def _backward_kernel(*refs, scale, c, has_resets):
+  if has_resets:
+    (q_ref, k_ref, v_ref, do_ref, b_ref, s_ref, dh_ref, a_ref, rc_ref, rr_ref,
+     dq_ref, dk_ref, dv_ref, dgl_ref) = refs
+  else:
+    (q_ref, k_ref, v_ref, do_ref, b_ref, s_ref, dh_ref, a_ref,
+     dq_ref, dk_ref, dv_ref, dgl_ref) = refs
+    rc_ref = rr_ref = None
+  dt = q_ref.dtype
+  n = c // SUB
+  state, d_end = s_ref[...], dh_ref[...]                          # [K, V] float32
+  total = b_ref[pl.ds(c - 1, 1), :]                               # [1, K]
+  last = None if rc_ref is None else rc_ref[pl.ds(c - 1, 1), :]   # [1, 1]
+  rows, cols = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
+  upper = (cols >= rows).astype(F32)                              # reverse cumsum down rows
+  carry = jnp.zeros((1, q_ref.shape[-1]), F32)
+  load = lambda ref, s: ref[pl.ds(s * SUB, SUB), :]
+
+  def d_attn(i, j):
+    """dL/dA block (query sub-chunk i, key sub-chunk j < i) = do_i v_j^T, masked."""
+    da = _dot(load(do_ref, i), load(v_ref, j), (1, 1), dt)
+    if rc_ref is not None:
+      da = jnp.where(load(rc_ref, i) == rr_ref[:, pl.ds(j * SUB, SUB)], da, 0.0)
+    return da
+
+  for s in reversed(range(n)):
+    sl = pl.ds(s * SUB, SUB)
+    qs, k_s, b_s = load(q_ref, s).astype(F32) * scale, load(k_ref, s).astype(F32), load(b_ref, s)
+    v_s, do_s = load(v_ref, s), load(do_ref, s)
+    rc_s = None if rc_ref is None else load(rc_ref, s)             # [16, 1]
+    # Inter-chunk terms: through the entering state (queries) and the leaving one (keys).
+    q_in = jnp.exp(b_s)
+    k_out = _exp_le0(total - b_s)
+    if rc_s is not None:
+      q_in = jnp.where(rc_s == 0.0, q_in, 0.0)
+      k_out = jnp.where(rc_s == last, k_out, 0.0)
+    dqs = q_in * _dot(do_s, state, (1, 1), dt)                    # [16, K]
+    dk = k_out * _dot(v_s, d_end, (1, 1), dt)                     # [16, K]
+    dv = _dot(k_s * k_out, d_end, (1, 0), dt)                     # [16, V]
+    # Off-diagonal blocks, with earlier keys (rescaled to just before sub-chunk s) ...
+    if s > 0:
+      ref_s = b_ref[pl.ds(s * SUB - 1, 1), :]
+      acc = jnp.zeros_like(dqs)
+      for j in range(s):
+        k_rs = load(k_ref, j).astype(F32) * _exp_le0(ref_s - load(b_ref, j))
+        acc += _dot(d_attn(s, j), k_rs, (1, 0), dt)
+      dqs += _exp_le0(b_s - ref_s) * acc
+    # ... and with later queries (rescaled to the end of sub-chunk s).
+    if s < n - 1:
+      end_s = b_ref[pl.ds(s * SUB + SUB - 1, 1), :]
+      acc = jnp.zeros_like(dk)
+      for i in range(s + 1, n):
+        q_rs = load(q_ref, i).astype(F32) * scale * _exp_le0(load(b_ref, i) - end_s)
+        acc += _dot(d_attn(i, s), q_rs, (0, 0), dt)
+      dk += _exp_le0(end_s - b_s) * acc
+    # dv through A (kept from the forward, zero outside the mask).
+    for i in range(s, n):
+      dv += _dot(a_ref[pl.ds(i * SUB, SUB), sl], load(do_ref, i), (0, 0), dt)
+    # Diagonal block in float32 log space, one row r at a time (as key for dq, query for dk).
+    keep = cols <= rows
+    if rc_s is not None:
+      keep = keep & (rc_s == rr_ref[:, sl])
+    da = jnp.where(keep, _dot(do_s, v_s, (1, 1), dt), 0.0)         # [t, u]
+    keep_t = rows <= cols
+    if rc_s is not None:
+      keep_t = keep_t & (rc_s == rr_ref[:, sl])
+    da_t = jnp.where(keep_t, _dot(v_s, do_s, (1, 1), dt), 0.0)     # [u, t]
+
+    def diag_row(r, acc):
+      dq_acc, dk_acc = acc
+      row = pl.ds(s * SUB + r, 1)
+      b_r = b_ref[row, :]                                         # [1, K]
+      k_r = k_ref[row, :].astype(F32)
+      q_r = q_ref[row, :].astype(F32) * scale
+      da_col = jnp.sum(jnp.where(cols == r, da, 0.0), axis=1, keepdims=True)      # dA[:, r]
+      dat_col = jnp.sum(jnp.where(cols == r, da_t, 0.0), axis=1, keepdims=True)   # dA[r, :]^T
+      dq_acc += da_col * k_r * _exp_le0(b_s - b_r)
+      dk_acc += dat_col * q_r * _exp_le0(b_r - b_s)
+      return dq_acc, dk_acc
+
+    dq_diag, dk_diag = lax.fori_loop(0, SUB, diag_row, (jnp.zeros_like(dqs), jnp.zeros_like(dk)))
+    dqs += dq_diag
+    dk += dk_diag
+    # dL/dG = q dq - k dk (G the cumulative log-gate); its reverse cumulative sum in the chunk.
+    dgl = qs * dqs - k_s * dk
+    dgl_ref[sl, :] = _dot(upper, dgl, (1, 0), F32) + carry
+    carry += jnp.sum(dgl, axis=0, keepdims=True)
+    dq_ref[sl, :] = (dqs * scale).astype(dq_ref.dtype)
+    dk_ref[sl, :] = dk.astype(dk_ref.dtype)
+    dv_ref[sl, :] = dv.astype(dv_ref.dtype)
+
+
+def backward(q, k, v, do, b, starts, d_ends, attn, rc, *, scale, chunk, interpret=False):
+  """(dq, dk, dv, dgl) in the caller's [B, Tp, H, X] layout.
+
+  dq, dk, dv in q's dtype; dgl float32 [B, Tp, H, K], the reverse cumulative sum within each
+  chunk of dL/dG = q dq - k dk (gla_gpu adds the later chunks' sums and the final state's term).
+  do: [B, Tp, H, V]; d_ends: [B, H, NT, K, V] float32, dL/d(state at each chunk end); attn: the
+  forward's A [B, H, NT, C, C]; the rest as in `forward`.
+  """
+  bsz, tp, h, kd = q.shape
+  vd = v.shape[-1]
+  c = chunk
+  nt = tp // c
+  kp, vp = _pow2(kd), _pow2(vd)
+  do = do.astype(q.dtype)
+  if kp != kd:
+    padk = lambda x: jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, kp - kd),))
+    q, k, b = padk(q), padk(k), padk(b)
+    starts, d_ends = (jnp.pad(x, ((0, 0),) * 3 + ((0, kp - kd), (0, 0))) for x in (starts, d_ends))
+  if vp != vd:
+    v, do = (jnp.pad(x, ((0, 0),) * 3 + ((0, vp - vd),)) for x in (v, do))
+    starts, d_ends = (jnp.pad(x, ((0, 0),) * 4 + ((0, vp - vd),)) for x in (starts, d_ends))
+  tile = lambda w: pl.BlockSpec((None, c, None, w), lambda bb, hh, nn: (bb, nn, hh, 0))
+  chunk_block = lambda x, y: pl.BlockSpec((None, None, None, x, y),
+                                          lambda bb, hh, nn: (bb, hh, nn, 0, 0))
+  in_specs = [tile(kp), tile(kp), tile(vp), tile(vp), chunk_block(c, kp), chunk_block(kp, vp),
+              chunk_block(kp, vp), chunk_block(c, c)]
+  args = [q, k, v, do, b, starts, d_ends, attn]
+  if rc is not None:
+    in_specs += [pl.BlockSpec((None, c, 1), lambda bb, hh, nn: (bb, nn, 0)),
+                 pl.BlockSpec((None, None, 1, c), lambda bb, hh, nn: (bb, nn, 0, 0))]
+    args += [rc.reshape(bsz, tp, 1), rc.reshape(bsz, nt, 1, c)]
+  out_shape = [jax.ShapeDtypeStruct((bsz, tp, h, kp), q.dtype),
+               jax.ShapeDtypeStruct((bsz, tp, h, kp), q.dtype),
+               jax.ShapeDtypeStruct((bsz, tp, h, vp), q.dtype),
+               jax.ShapeDtypeStruct((bsz, tp, h, kp), F32)]
+  out_specs = [tile(kp), tile(kp), tile(vp), tile(kp)]
+  kernel = functools.partial(_backward_kernel, scale=scale, c=c, has_resets=rc is not None)
+  width = max(kp, vp)
+  dq, dk, dv, dgl = pl.pallas_call(
+      kernel, grid=(bsz, h, nt), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      compiler_params=plgpu.CompilerParams(num_warps=4 if width <= 64 else 8, num_stages=1),
+      interpret=interpret)(*args)
+  return dq[..., :kd], dk[..., :kd], dv[..., :vd], dgl[..., :kd]
