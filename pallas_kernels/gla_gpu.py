@@ -229,11 +229,12 @@ def _fwd(scale, c, interpret, q, k, v, g, s0, rc):
   vt = ch.tiles(v)
   u = _mm("...ck,...cv->...kv", ch.k.astype(F32) * ch.k_out, vt, dt)   # [B, H, NT, K, V]
   ends, s_last = ch.scan_states(u, s0, False, interpret)
-  starts = jnp.concatenate([s0[:, :, None], ends[:, :, :-1]], axis=2)
   if INTRA == "pallas":
-    o, attn = gla_gpu_intra.forward(q, k, v, ch.b, starts, rc, scale=scale, chunk=c,
+    o, attn = gla_gpu_intra.forward(q, k, v, ch.b, ends, s0, rc, scale=scale, chunk=c,
                                     interpret=interpret)
-    return (o, s_last), (q, k, v, g, s0, rc, starts, attn, s_last)
+    # (ends,): the per-chunk states as the kernels take them (the tuple tells _bwd).
+    return (o, s_last), (q, k, v, g, s0, rc, (ends,), attn, s_last)
+  starts = jnp.concatenate([s0[:, :, None], ends[:, :, :-1]], axis=2)
   attn = _attention(ch.qs, ch.k.astype(F32), ch.b, ch.keep, dt).astype(dt)
   o = _mm("...ck,...kv->...cv", ch.qs * ch.q_in, starts, dt) + _mm("...tu,...uv->...tv",
                                                                    attn, vt, dt)
@@ -250,13 +251,14 @@ def _bwd(scale, c, interpret, res, cts):
   q_in = ch.qs * ch.q_in
   w = _mm("...ck,...cv->...kv", q_in, dot, dt)
   d_starts, ds0 = ch.scan_states(w, ds_last.astype(F32), True, interpret)
-  d_ends = jnp.concatenate([d_starts[:, :, 1:], ds_last[:, :, None].astype(F32)], axis=2)
-  if INTRA == "pallas":
-    dq, dk, dv, within = gla_gpu_intra.backward(q, k, v, do, ch.b, starts, d_ends, attn, rc,
-                                                scale=scale, chunk=c, interpret=interpret)
+  if isinstance(starts, tuple):  # the forward ran gla_gpu_intra (INTRA == "pallas")
+    dq, dk, dv, within = gla_gpu_intra.backward(
+        q, k, v, do, ch.b, starts[0], s0, d_starts, ds_last.astype(F32), attn, rc, scale=scale,
+        chunk=c, interpret=interpret)
     dlog_g = _across_chunks(within, c) + jnp.sum(ds_last * s_last, axis=-1)[:, None]
     return (dq, dk.astype(k.dtype), dv.astype(v.dtype), dlog_g.astype(g.dtype),
             ds0.astype(s0.dtype), None)
+  d_ends = jnp.concatenate([d_starts[:, :, 1:], ds_last[:, :, None].astype(F32)], axis=2)
   dattn = jnp.where(ch.keep, _mm("...tv,...uv->...tu", dot, vt, dt), 0.0)
   kf = ch.k.astype(F32)
   dqs, dk = _attention_grads(dattn, ch.qs, kf, ch.b, dt)

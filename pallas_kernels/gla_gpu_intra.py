@@ -63,15 +63,36 @@ def _iota(shape, dim):
   return lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
+def _neighbour(per_chunk_ref, edge_ref, edge_chunk):
+  """A chunk's state from the neighbouring chunk's entry of per_chunk_ref, or edge_ref at the
+  edge chunk (see _neighbour_specs): the entering state from (ends, s0), the gradient of the
+  leaving state from (d_starts, dh_last), without concatenating a shifted copy in XLA."""
+  return jnp.where(pl.program_id(2) == edge_chunk, edge_ref[...], per_chunk_ref[...])
+
+
+def _neighbour_specs(per_chunk, edge, shift):
+  """Block specs of [B, H, NT, K, V] at chunk n + shift (clipped) and of the [B, H, K, V] edge."""
+  nt = per_chunk.shape[2]
+  kd, vd = per_chunk.shape[-2:]
+  at = lambda n: jnp.minimum(jnp.maximum(n + shift, 0), nt - 1)
+  return [pl.BlockSpec((None, None, None, kd, vd), lambda b, h, n: (b, h, at(n), 0, 0)),
+          pl.BlockSpec((None, None, kd, vd), lambda b, h, n: (b, h, 0, 0))]
+
+
+def _pad_last2(x, kp, vp):
+  pad = ((0, 0),) * (x.ndim - 2) + ((0, kp - x.shape[-2]), (0, vp - x.shape[-1]))
+  return jnp.pad(x, pad) if any(p[1] for p in pad) else x
+
+
 def _forward_kernel(*refs, scale, c, has_resets):
   if has_resets:
-    q_ref, k_ref, v_ref, b_ref, s_ref, rc_ref, rr_ref, o_ref, a_ref = refs
+    q_ref, k_ref, v_ref, b_ref, ends_ref, s0_ref, rc_ref, rr_ref, o_ref, a_ref = refs
   else:
-    q_ref, k_ref, v_ref, b_ref, s_ref, o_ref, a_ref = refs
+    q_ref, k_ref, v_ref, b_ref, ends_ref, s0_ref, o_ref, a_ref = refs
     rc_ref = rr_ref = None
   dt = q_ref.dtype
   n = c // SUB
-  state = s_ref[...]                                              # [K, V] float32
+  state = _neighbour(ends_ref, s0_ref, 0)                         # [K, V] float32
   causal = _iota((SUB, SUB), 1) <= _iota((SUB, SUB), 0)
   cols = _iota((SUB, SUB), 1)
   for i in range(n):
@@ -117,11 +138,12 @@ def _forward_kernel(*refs, scale, c, has_resets):
     o_ref[rows_i, :] = acc.astype(o_ref.dtype)
 
 
-def forward(q, k, v, b, starts, rc, *, scale, chunk, interpret=False):
+def forward(q, k, v, b, ends, s0, rc, *, scale, chunk, interpret=False):
   """(o [B, Tp, H, V] in q's dtype, A [B, H, NT, C, C] in q's dtype).
 
   q, k: [B, Tp, H, K], v: [B, Tp, H, V] (q's dtype); b: [B, H, NT, C, K] float32 chunk-local
-  inclusive cumulative log-gate; starts: [B, H, NT, K, V] float32 state at each chunk start;
+  inclusive cumulative log-gate; ends: [B, H, NT, K, V] float32 state at each chunk end and
+  s0 [B, H, K, V] float32 the initial one (chunk n starts from ends[n - 1], chunk 0 from s0);
   rc: [B, Tp] float32 reset counts (gla_reference.chunk_reset_counts) or None.
   """
   bsz, tp, h, kd = q.shape
@@ -132,15 +154,15 @@ def forward(q, k, v, b, starts, rc, *, scale, chunk, interpret=False):
   if kp != kd:
     padk = lambda x: jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, kp - kd),))
     q, k, b = padk(q), padk(k), padk(b)
-    starts = jnp.pad(starts, ((0, 0),) * 3 + ((0, kp - kd), (0, 0)))
   if vp != vd:
     v = jnp.pad(v, ((0, 0),) * 3 + ((0, vp - vd),))
-    starts = jnp.pad(starts, ((0, 0),) * 4 + ((0, vp - vd),))
+  ends, s0 = _pad_last2(ends, kp, vp), _pad_last2(s0, kp, vp)
   tile = lambda w: pl.BlockSpec((None, c, None, w), lambda bb, hh, nn: (bb, nn, hh, 0))
   chunk_block = lambda x, y: pl.BlockSpec((None, None, None, x, y),
                                           lambda bb, hh, nn: (bb, hh, nn, 0, 0))
-  in_specs = [tile(kp), tile(kp), tile(vp), chunk_block(c, kp), chunk_block(kp, vp)]
-  args = [q, k, v, b, starts]
+  in_specs = [tile(kp), tile(kp), tile(vp), chunk_block(c, kp),
+              *_neighbour_specs(ends, s0, -1)]
+  args = [q, k, v, b, ends, s0]
   if rc is not None:
     in_specs += [pl.BlockSpec((None, c, 1), lambda bb, hh, nn: (bb, nn, 0)),
                  pl.BlockSpec((None, None, 1, c), lambda bb, hh, nn: (bb, nn, 0, 0))]
@@ -157,17 +179,18 @@ def forward(q, k, v, b, starts, rc, *, scale, chunk, interpret=False):
   return o[..., :vd], a
 
 
-def _backward_kernel(*refs, scale, c, has_resets):
+def _backward_kernel(*refs, scale, c, nt, has_resets):
   if has_resets:
-    (q_ref, k_ref, v_ref, do_ref, b_ref, s_ref, dh_ref, a_ref, rc_ref, rr_ref,
-     dq_ref, dk_ref, dv_ref, dgl_ref) = refs
+    (q_ref, k_ref, v_ref, do_ref, b_ref, ends_ref, s0_ref, dstarts_ref, dlast_ref, a_ref,
+     rc_ref, rr_ref, dq_ref, dk_ref, dv_ref, dgl_ref) = refs
   else:
-    (q_ref, k_ref, v_ref, do_ref, b_ref, s_ref, dh_ref, a_ref,
+    (q_ref, k_ref, v_ref, do_ref, b_ref, ends_ref, s0_ref, dstarts_ref, dlast_ref, a_ref,
      dq_ref, dk_ref, dv_ref, dgl_ref) = refs
     rc_ref = rr_ref = None
   dt = q_ref.dtype
   n = c // SUB
-  state, d_end = s_ref[...], dh_ref[...]                          # [K, V] float32
+  state = _neighbour(ends_ref, s0_ref, 0)                         # [K, V] float32
+  d_end = _neighbour(dstarts_ref, dlast_ref, nt - 1)              # dL/d(state at chunk end)
   total = b_ref[pl.ds(c - 1, 1), :]                               # [1, K]
   last = None if rc_ref is None else rc_ref[pl.ds(c - 1, 1), :]   # [1, 1]
   rows, cols = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
@@ -249,13 +272,15 @@ def _backward_kernel(*refs, scale, c, has_resets):
     dv_ref[sl, :] = dv.astype(dv_ref.dtype)
 
 
-def backward(q, k, v, do, b, starts, d_ends, attn, rc, *, scale, chunk, interpret=False):
+def backward(q, k, v, do, b, ends, s0, d_starts, dh_last, attn, rc, *, scale, chunk,
+             interpret=False):
   """(dq, dk, dv, dgl) in the caller's [B, Tp, H, X] layout.
 
   dq, dk, dv in q's dtype; dgl float32 [B, Tp, H, K], the reverse cumulative sum within each
   chunk of dL/dG = q dq - k dk (gla_gpu adds the later chunks' sums and the final state's term).
-  do: [B, Tp, H, V]; d_ends: [B, H, NT, K, V] float32, dL/d(state at each chunk end); attn: the
-  forward's A [B, H, NT, C, C]; the rest as in `forward`.
+  do: [B, Tp, H, V]; d_starts: [B, H, NT, K, V] float32, dL/d(state at each chunk start), and
+  dh_last [B, H, K, V] float32, dL/d(final state) (chunk n ends with d_starts[n + 1], the last
+  chunk with dh_last); attn: the forward's A [B, H, NT, C, C]; the rest as in `forward`.
   """
   bsz, tp, h, kd = q.shape
   vd = v.shape[-1]
@@ -266,16 +291,16 @@ def backward(q, k, v, do, b, starts, d_ends, attn, rc, *, scale, chunk, interpre
   if kp != kd:
     padk = lambda x: jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, kp - kd),))
     q, k, b = padk(q), padk(k), padk(b)
-    starts, d_ends = (jnp.pad(x, ((0, 0),) * 3 + ((0, kp - kd), (0, 0))) for x in (starts, d_ends))
   if vp != vd:
     v, do = (jnp.pad(x, ((0, 0),) * 3 + ((0, vp - vd),)) for x in (v, do))
-    starts, d_ends = (jnp.pad(x, ((0, 0),) * 4 + ((0, vp - vd),)) for x in (starts, d_ends))
+  ends, s0, d_starts, dh_last = (_pad_last2(x, kp, vp) for x in (ends, s0, d_starts, dh_last))
   tile = lambda w: pl.BlockSpec((None, c, None, w), lambda bb, hh, nn: (bb, nn, hh, 0))
   chunk_block = lambda x, y: pl.BlockSpec((None, None, None, x, y),
                                           lambda bb, hh, nn: (bb, hh, nn, 0, 0))
-  in_specs = [tile(kp), tile(kp), tile(vp), tile(vp), chunk_block(c, kp), chunk_block(kp, vp),
-              chunk_block(kp, vp), chunk_block(c, c)]
-  args = [q, k, v, do, b, starts, d_ends, attn]
+  in_specs = [tile(kp), tile(kp), tile(vp), tile(vp), chunk_block(c, kp),
+              *_neighbour_specs(ends, s0, -1), *_neighbour_specs(d_starts, dh_last, 1),
+              chunk_block(c, c)]
+  args = [q, k, v, do, b, ends, s0, d_starts, dh_last, attn]
   if rc is not None:
     in_specs += [pl.BlockSpec((None, c, 1), lambda bb, hh, nn: (bb, nn, 0)),
                  pl.BlockSpec((None, None, 1, c), lambda bb, hh, nn: (bb, nn, 0, 0))]
@@ -285,7 +310,8 @@ def backward(q, k, v, do, b, starts, d_ends, attn, rc, *, scale, chunk, interpre
                jax.ShapeDtypeStruct((bsz, tp, h, vp), q.dtype),
                jax.ShapeDtypeStruct((bsz, tp, h, kp), F32)]
   out_specs = [tile(kp), tile(kp), tile(vp), tile(kp)]
-  kernel = functools.partial(_backward_kernel, scale=scale, c=c, has_resets=rc is not None)
+  kernel = functools.partial(_backward_kernel, scale=scale, c=c, nt=nt,
+                             has_resets=rc is not None)
   width = max(kp, vp)
   dq, dk, dv, dgl = pl.pallas_call(
       kernel, grid=(bsz, h, nt), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
