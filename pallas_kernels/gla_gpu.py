@@ -33,6 +33,10 @@ end only with the chunk's last count, and a chunk with a document start passes n
 
 Layout: the token arrays are transposed once to [B, H, NT, C, X] (contiguous C x X tiles per
 chunk); any K and V (no padding).
+
+INTRA = "pallas" (opt-in, not yet measured on a GPU) replaces the per-chunk part of the forward
+(A, o) and of the backward (dq, dk, dv, the chunk-local d log_g sums) by gla_gpu_intra's two
+Triton kernels, one program per chunk, which read and write the [B, T, H, X] arrays directly.
 """
 
 import functools
@@ -229,6 +233,8 @@ def _fwd(scale, c, interpret, q, k, v, g, s0, rc):
   vt = ch.tiles(v)
   u = _mm("...ck,...cv->...kv", ch.k.astype(F32) * ch.k_out, vt, dt)   # [B, H, NT, K, V]
   ends, s_last = ch.scan_states(u, s0, False, interpret)
+  if INTRA not in ("xla", "pallas"):
+    raise ValueError(f"gla_gpu.INTRA must be 'xla' or 'pallas', got {INTRA!r}")
   if INTRA == "pallas":
     o, attn = gla_gpu_intra.forward(q, k, v, ch.b, ends, s0, rc, scale=scale, chunk=c,
                                     interpret=interpret)

@@ -42,6 +42,13 @@ from jax.experimental.pallas import triton as plgpu
 SUB = 16
 F32 = jnp.float32
 
+# Warps per program of both kernels; None: 4, or 8 when K or V > 64 (not tuned: no GPU yet).
+NUM_WARPS = None
+
+
+def _warps(width):
+  return NUM_WARPS or (4 if width <= 64 else 8)
+
 
 def _pow2(n):
   return max(16, 1 << (n - 1).bit_length())
@@ -174,7 +181,7 @@ def forward(q, k, v, b, ends, s0, rc, *, scale, chunk, interpret=False):
   width = max(kp, vp)
   o, a = pl.pallas_call(
       kernel, grid=(bsz, h, nt), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      compiler_params=plgpu.CompilerParams(num_warps=4 if width <= 64 else 8, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=_warps(width), num_stages=1),
       interpret=interpret)(*args)
   return o[..., :vd], a
 
@@ -315,6 +322,6 @@ def backward(q, k, v, do, b, ends, s0, d_starts, dh_last, attn, rc, *, scale, ch
   width = max(kp, vp)
   dq, dk, dv, dgl = pl.pallas_call(
       kernel, grid=(bsz, h, nt), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      compiler_params=plgpu.CompilerParams(num_warps=4 if width <= 64 else 8, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=_warps(width), num_stages=1),
       interpret=interpret)(*args)
   return dq[..., :kd], dk[..., :kd], dv[..., :vd], dgl[..., :kd]

@@ -7,8 +7,9 @@ Runs on a GPU. All inputs bfloat16, K = V = head dim. Times are medians: for JAX
 back-to-back calls divided by the batch size (device time, host dispatch overlapped); for
 flash-linear-attention (fla.ops.gla.chunk_gla, if importable), of triton.testing.do_bench's CUDA
 events. `--intra` times chunk_gla's GPU path once per listed variant of its per-chunk part
-(gla_gpu.INTRA: "xla", the default, or "pallas", gla_gpu_intra's Triton kernels), one column
-each; `--check` checks every variant. Writes DIR/bench_gla.md (a markdown table with ratios)
+(gla_gpu.INTRA: "xla", the default, or "pallas", gla_gpu_intra's Triton kernels; "pallas-wN"
+runs those with N warps), one column each; `--check` checks every variant. A variant that
+fails (say, to compile) is reported in the notes and the run goes on. Writes DIR/bench_gla.md (a markdown table with ratios)
 and DIR/bench_gla.json.
 """
 
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import gla_gpu
+from pallas_kernels import gla_gpu_intra
 from pallas_kernels.chunk_gla import chunk_gla
 from pallas_kernels.gla_reference import gla_reference
 
@@ -100,9 +102,16 @@ def _time_fla(shape, reps):
   return fwd, bench(fwd_bwd)
 
 
+def _set_intra(variant):
+  """"xla", "pallas" or "pallas-wN" -> gla_gpu.INTRA (and gla_gpu_intra.NUM_WARPS)."""
+  name, _, warps = variant.partition("-w")
+  gla_gpu.INTRA = name
+  gla_gpu_intra.NUM_WARPS = int(warps) if warps else None
+
+
 def check(out_lines, intra="xla"):
   """Our kernel against the float32 reference on the GPU, values and gradients."""
-  gla_gpu.INTRA = intra
+  _set_intra(intra)
   for dtype, shape in ((jnp.float32, (2, 1000, 4, 48)), (jnp.bfloat16, (2, 4096, 4, 64))):
     b, t, h, d = shape
     q, k, v, g, do = (x.astype(dtype) for x in _inputs(shape, seed=1))
@@ -143,7 +152,11 @@ def main():
   notes = []
   if args.check:
     for intra in intras:
-      check(notes, intra)
+      try:
+        check(notes, intra)
+      except Exception as e:  # pylint: disable=broad-except
+        notes.append(f"check intra={intra} FAILED: {type(e).__name__}: {str(e)[:2000]}")
+        print(notes[-1], flush=True)
   att_fwd, att_fb = _cudnn_fns()
   start = time.perf_counter()
   timed = lambda fn, *a: None if time.perf_counter() - start > args.deadline else fn(*a)
@@ -152,11 +165,16 @@ def main():
     q, k, v, g, do = _inputs(shape)
     r = {"shape": shape, "fla_fwd": None, "fla_fb": None, "gla": {}}
     for intra in intras:
-      gla_gpu.INTRA = intra  # read when the jitted functions are traced (first call)
+      _set_intra(intra)  # read when the jitted functions are traced (first call)
       gla_fwd, gla_fb = _gla_fns()
       print(f"{shape} intra={intra}", flush=True)
-      r["gla"][intra] = (timed(_time_jax, gla_fwd, (q, k, v, g), args.reps),
-                         timed(_time_jax, gla_fb, (q, k, v, g, do), args.reps))
+      try:
+        r["gla"][intra] = (timed(_time_jax, gla_fwd, (q, k, v, g), args.reps),
+                           timed(_time_jax, gla_fb, (q, k, v, g, do), args.reps))
+      except Exception as e:  # pylint: disable=broad-except
+        r["gla"][intra] = (None, None)
+        notes.append(f"{shape} intra={intra} FAILED: {type(e).__name__}: {str(e)[:2000]}")
+        print(notes[-1], flush=True)
     r["gla_fwd"], r["gla_fb"] = r["gla"][intras[0]]
     r["att_fwd"] = timed(_time_jax, att_fwd, (q, k, v), args.reps)
     r["att_fb"] = timed(_time_jax, att_fb, (q, k, v, do), args.reps)
