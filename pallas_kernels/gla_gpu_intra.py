@@ -70,11 +70,12 @@ def _iota(shape, dim):
   return lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
-def _neighbour(per_chunk_ref, edge_ref, edge_chunk):
+def _neighbour(per_chunk_ref, edge_ref, at_edge):
   """A chunk's state from the neighbouring chunk's entry of per_chunk_ref, or edge_ref at the
   edge chunk (see _neighbour_specs): the entering state from (ends, s0), the gradient of the
-  leaving state from (d_starts, dh_last), without concatenating a shifted copy in XLA."""
-  return jnp.where(pl.program_id(2) == edge_chunk, edge_ref[...], per_chunk_ref[...])
+  leaving state from (d_starts, dh_last), without concatenating a shifted copy in XLA.
+  (at_edge: pl.program_id compared outside any loop: interpret mode needs it there.)"""
+  return jnp.where(at_edge, edge_ref[...], per_chunk_ref[...])
 
 
 def _neighbour_specs(per_chunk, edge, shift):
@@ -99,11 +100,15 @@ def _forward_kernel(*refs, scale, c, has_resets):
     rc_ref = rr_ref = None
   dt = q_ref.dtype
   n = c // SUB
-  state = _neighbour(ends_ref, s0_ref, 0)                         # [K, V] float32
   causal = _iota((SUB, SUB), 1) <= _iota((SUB, SUB), 0)
   cols = _iota((SUB, SUB), 1)
-  for i in range(n):
-    rows_i = pl.ds(i * SUB, SUB)
+  first = pl.program_id(2) == 0
+
+  # Loops (not Python unrolling) over sub-chunks bound the live ranges: ptxas then keeps the
+  # kernel in registers (see docs/kernels.md).
+  def query_sub_chunk(i, carry):
+    r0 = pl.multiple_of(i * SUB, SUB)
+    rows_i = pl.ds(r0, SUB)
     qi = q_ref[rows_i, :].astype(F32) * scale                    # [16, K]
     bi = b_ref[rows_i, :]                                         # [16, K]
     rc_i = None if rc_ref is None else rc_ref[rows_i, :]          # [16, 1]
@@ -111,23 +116,27 @@ def _forward_kernel(*refs, scale, c, has_resets):
     q_in = qi * jnp.exp(bi)
     if rc_i is not None:
       q_in = jnp.where(rc_i == 0.0, q_in, 0.0)
-    acc = _dot(q_in, state, (1, 0), dt)                           # [16, V]
-    # Off-diagonal blocks: both sides rescaled to ref_i, the cumulative gate before row 16 i.
-    if i > 0:
-      ref_i = b_ref[pl.ds(i * SUB - 1, 1), :]                     # [1, K]
-      q_rs = qi * _exp_le0(bi - ref_i)
-      for j in range(i):
-        rows_j = pl.ds(j * SUB, SUB)
-        k_rs = k_ref[rows_j, :].astype(F32) * _exp_le0(ref_i - b_ref[rows_j, :])
-        a_ij = _dot(q_rs, k_rs, (1, 1), dt)                       # [16, 16]
-        if rc_i is not None:
-          a_ij = jnp.where(rc_i == rr_ref[:, rows_j], a_ij, 0.0)
-        a_ij = a_ij.astype(dt)
-        a_ref[rows_i, rows_j] = a_ij
-        acc += _dot(a_ij, v_ref[rows_j, :], (1, 0), dt)
+    acc = _dot(q_in, _neighbour(ends_ref, s0_ref, first), (1, 0), dt)  # [16, V]
+    # Off-diagonal blocks: both sides rescaled to ref_i, the cumulative gate before row 16 i
+    # (for i = 0 there are none; row 0 stands in).
+    ref_i = b_ref[pl.ds(jnp.maximum(r0 - 1, 0), 1), :]            # [1, K]
+    q_rs = qi * _exp_le0(bi - ref_i)
+
+    def key_sub_chunk(j, acc):
+      rows_j = pl.ds(pl.multiple_of(j * SUB, SUB), SUB)
+      k_rs = k_ref[rows_j, :].astype(F32) * _exp_le0(ref_i - b_ref[rows_j, :])
+      a_ij = _dot(q_rs, k_rs, (1, 1), dt)                         # [16, 16]
+      if rc_i is not None:
+        a_ij = jnp.where(rc_i == rr_ref[:, rows_j], a_ij, 0.0)
+      a_ij = a_ij.astype(dt)
+      a_ref[rows_i, rows_j] = a_ij
+      return acc + _dot(a_ij, v_ref[rows_j, :], (1, 0), dt)
+
+    acc = lax.fori_loop(0, i, key_sub_chunk, acc)
+
     # Diagonal block, float32 log space, one key row at a time.
     def key_row(u, a_ii):
-      row = pl.ds(i * SUB + u, 1)
+      row = pl.ds(r0 + u, 1)
       k_u = k_ref[row, :].astype(F32)                             # [1, K]
       b_u = b_ref[row, :]
       col = jnp.sum(qi * k_u * _exp_le0(bi - b_u), axis=1, keepdims=True)  # [16, 1]
@@ -140,9 +149,16 @@ def _forward_kernel(*refs, scale, c, has_resets):
     a_ii = jnp.where(keep, a_ii, 0.0).astype(dt)
     a_ref[rows_i, rows_i] = a_ii
     acc += _dot(a_ii, v_ref[rows_i, :], (1, 0), dt)
-    for j in range(i + 1, n):
-      a_ref[rows_i, pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), a_ref.dtype)
     o_ref[rows_i, :] = acc.astype(o_ref.dtype)
+
+    def zero_block(j, carry):
+      a_ref[rows_i, pl.ds(pl.multiple_of(j * SUB, SUB), SUB)] = jnp.zeros((SUB, SUB),
+                                                                          a_ref.dtype)
+      return carry
+
+    return lax.fori_loop(i + 1, n, zero_block, carry)
+
+  lax.fori_loop(0, n, query_sub_chunk, 0)
 
 
 def forward(q, k, v, b, ends, s0, rc, *, scale, chunk, interpret=False):
@@ -196,68 +212,74 @@ def _backward_kernel(*refs, scale, c, nt, has_resets):
     rc_ref = rr_ref = None
   dt = q_ref.dtype
   n = c // SUB
-  state = _neighbour(ends_ref, s0_ref, 0)                         # [K, V] float32
-  d_end = _neighbour(dstarts_ref, dlast_ref, nt - 1)              # dL/d(state at chunk end)
-  total = b_ref[pl.ds(c - 1, 1), :]                               # [1, K]
-  last = None if rc_ref is None else rc_ref[pl.ds(c - 1, 1), :]   # [1, 1]
   rows, cols = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
-  upper = (cols >= rows).astype(F32)                              # reverse cumsum down rows
-  carry = jnp.zeros((1, q_ref.shape[-1]), F32)
-  load = lambda ref, s: ref[pl.ds(s * SUB, SUB), :]
+  first, last = pl.program_id(2) == 0, pl.program_id(2) == nt - 1
+  block = lambda j: pl.ds(pl.multiple_of(j * SUB, SUB), SUB)
+  load = lambda ref, j: ref[block(j), :]
 
   def d_attn(i, j):
     """dL/dA block (query sub-chunk i, key sub-chunk j < i) = do_i v_j^T, masked."""
     da = _dot(load(do_ref, i), load(v_ref, j), (1, 1), dt)
     if rc_ref is not None:
-      da = jnp.where(load(rc_ref, i) == rr_ref[:, pl.ds(j * SUB, SUB)], da, 0.0)
+      da = jnp.where(load(rc_ref, i) == rr_ref[:, block(j)], da, 0.0)
     return da
 
-  for s in reversed(range(n)):
-    sl = pl.ds(s * SUB, SUB)
+  # Sub-chunks last to first (the reverse cumulative sum of d log_g runs that way), in a loop
+  # rather than unrolled: unrolled, ptxas spilled ~9 KB per thread (docs/kernels.md).
+  def sub_chunk(it, carry):
+    s = n - 1 - it
+    sl = block(s)
+    r0 = pl.multiple_of(s * SUB, SUB)
     qs, k_s, b_s = load(q_ref, s).astype(F32) * scale, load(k_ref, s).astype(F32), load(b_ref, s)
     v_s, do_s = load(v_ref, s), load(do_ref, s)
     rc_s = None if rc_ref is None else load(rc_ref, s)             # [16, 1]
     # Inter-chunk terms: through the entering state (queries) and the leaving one (keys).
     q_in = jnp.exp(b_s)
-    k_out = _exp_le0(total - b_s)
+    k_out = _exp_le0(b_ref[pl.ds(c - 1, 1), :] - b_s)
     if rc_s is not None:
       q_in = jnp.where(rc_s == 0.0, q_in, 0.0)
-      k_out = jnp.where(rc_s == last, k_out, 0.0)
-    dqs = q_in * _dot(do_s, state, (1, 1), dt)                    # [16, K]
+      k_out = jnp.where(rc_s == rc_ref[pl.ds(c - 1, 1), :], k_out, 0.0)
+    dqs = q_in * _dot(do_s, _neighbour(ends_ref, s0_ref, first), (1, 1), dt)  # [16, K]
+    d_end = _neighbour(dstarts_ref, dlast_ref, last)            # dL/d(state at chunk end)
     dk = k_out * _dot(v_s, d_end, (1, 1), dt)                     # [16, K]
     dv = _dot(k_s * k_out, d_end, (1, 0), dt)                     # [16, V]
+
     # Off-diagonal blocks, with earlier keys (rescaled to just before sub-chunk s) ...
-    if s > 0:
-      ref_s = b_ref[pl.ds(s * SUB - 1, 1), :]
-      acc = jnp.zeros_like(dqs)
-      for j in range(s):
-        k_rs = load(k_ref, j).astype(F32) * _exp_le0(ref_s - load(b_ref, j))
-        acc += _dot(d_attn(s, j), k_rs, (1, 0), dt)
-      dqs += _exp_le0(b_s - ref_s) * acc
+    ref_s = b_ref[pl.ds(jnp.maximum(r0 - 1, 0), 1), :]
+
+    def earlier_keys(j, acc):
+      k_rs = load(k_ref, j).astype(F32) * _exp_le0(ref_s - load(b_ref, j))
+      return acc + _dot(d_attn(s, j), k_rs, (1, 0), dt)
+
+    dqs += _exp_le0(b_s - ref_s) * lax.fori_loop(0, s, earlier_keys, jnp.zeros_like(dqs))
     # ... and with later queries (rescaled to the end of sub-chunk s).
-    if s < n - 1:
-      end_s = b_ref[pl.ds(s * SUB + SUB - 1, 1), :]
-      acc = jnp.zeros_like(dk)
-      for i in range(s + 1, n):
-        q_rs = load(q_ref, i).astype(F32) * scale * _exp_le0(load(b_ref, i) - end_s)
-        acc += _dot(d_attn(i, s), q_rs, (0, 0), dt)
-      dk += _exp_le0(end_s - b_s) * acc
+    end_s = b_ref[pl.ds(r0 + SUB - 1, 1), :]
+
+    def later_queries(i, acc):
+      q_rs = load(q_ref, i).astype(F32) * scale * _exp_le0(load(b_ref, i) - end_s)
+      return acc + _dot(d_attn(i, s), q_rs, (0, 0), dt)
+
+    dk += _exp_le0(end_s - b_s) * lax.fori_loop(s + 1, n, later_queries, jnp.zeros_like(dk))
+
     # dv through A (kept from the forward, zero outside the mask).
-    for i in range(s, n):
-      dv += _dot(a_ref[pl.ds(i * SUB, SUB), sl], load(do_ref, i), (0, 0), dt)
+    def through_a(i, dv):
+      return dv + _dot(a_ref[block(i), sl], load(do_ref, i), (0, 0), dt)
+
+    dv = lax.fori_loop(s, n, through_a, dv)
+    dv_ref[sl, :] = dv.astype(dv_ref.dtype)
+
     # Diagonal block in float32 log space, one row r at a time (as key for dq, query for dk).
     keep = cols <= rows
-    if rc_s is not None:
-      keep = keep & (rc_s == rr_ref[:, sl])
-    da = jnp.where(keep, _dot(do_s, v_s, (1, 1), dt), 0.0)         # [t, u]
     keep_t = rows <= cols
     if rc_s is not None:
-      keep_t = keep_t & (rc_s == rr_ref[:, sl])
+      same = rc_s == rr_ref[:, sl]
+      keep, keep_t = keep & same, keep_t & same
+    da = jnp.where(keep, _dot(do_s, v_s, (1, 1), dt), 0.0)         # [t, u]
     da_t = jnp.where(keep_t, _dot(v_s, do_s, (1, 1), dt), 0.0)     # [u, t]
 
     def diag_row(r, acc):
       dq_acc, dk_acc = acc
-      row = pl.ds(s * SUB + r, 1)
+      row = pl.ds(r0 + r, 1)
       b_r = b_ref[row, :]                                         # [1, K]
       k_r = k_ref[row, :].astype(F32)
       q_r = q_ref[row, :].astype(F32) * scale
@@ -267,16 +289,16 @@ def _backward_kernel(*refs, scale, c, nt, has_resets):
       dk_acc += dat_col * q_r * _exp_le0(b_r - b_s)
       return dq_acc, dk_acc
 
-    dq_diag, dk_diag = lax.fori_loop(0, SUB, diag_row, (jnp.zeros_like(dqs), jnp.zeros_like(dk)))
-    dqs += dq_diag
-    dk += dk_diag
-    # dL/dG = q dq - k dk (G the cumulative log-gate); its reverse cumulative sum in the chunk.
-    dgl = qs * dqs - k_s * dk
-    dgl_ref[sl, :] = _dot(upper, dgl, (1, 0), F32) + carry
-    carry += jnp.sum(dgl, axis=0, keepdims=True)
+    dqs, dk = lax.fori_loop(0, SUB, diag_row, (dqs, dk))
     dq_ref[sl, :] = (dqs * scale).astype(dq_ref.dtype)
     dk_ref[sl, :] = dk.astype(dk_ref.dtype)
-    dv_ref[sl, :] = dv.astype(dv_ref.dtype)
+    # dL/dG = q dq - k dk (G the cumulative log-gate); its reverse cumulative sum in the chunk.
+    dgl = qs * dqs - k_s * dk
+    upper = (cols >= rows).astype(F32)
+    dgl_ref[sl, :] = _dot(upper, dgl, (1, 0), F32) + carry
+    return carry + jnp.sum(dgl, axis=0, keepdims=True)
+
+  lax.fori_loop(0, n, sub_chunk, jnp.zeros((1, q_ref.shape[-1]), F32))
 
 
 def backward(q, k, v, do, b, ends, s0, d_starts, dh_last, attn, rc, *, scale, chunk,
