@@ -75,7 +75,7 @@ def _neighbour(per_chunk_ref, edge_ref, at_edge):
   edge chunk (see _neighbour_specs): the entering state from (ends, s0), the gradient of the
   leaving state from (d_starts, dh_last), without concatenating a shifted copy in XLA.
   (at_edge: pl.program_id compared outside any loop: interpret mode needs it there.)"""
-  return jnp.where(at_edge, edge_ref[...], per_chunk_ref[...])
+  return lax.cond(at_edge, lambda: edge_ref[...], lambda: per_chunk_ref[...])
 
 
 def _neighbour_specs(per_chunk, edge, shift):
@@ -277,23 +277,23 @@ def _backward_kernel(*refs, scale, c, nt, has_resets):
     da = jnp.where(keep, _dot(do_s, v_s, (1, 1), dt), 0.0)         # [t, u]
     da_t = jnp.where(keep_t, _dot(v_s, do_s, (1, 1), dt), 0.0)     # [u, t]
 
-    def diag_row(r, acc):
-      dq_acc, dk_acc = acc
+    def diag_dq(r, dq_acc):
       row = pl.ds(r0 + r, 1)
-      b_r = b_ref[row, :]                                         # [1, K]
-      k_r = k_ref[row, :].astype(F32)
-      q_r = q_ref[row, :].astype(F32) * scale
       da_col = jnp.sum(jnp.where(cols == r, da, 0.0), axis=1, keepdims=True)      # dA[:, r]
-      dat_col = jnp.sum(jnp.where(cols == r, da_t, 0.0), axis=1, keepdims=True)   # dA[r, :]^T
-      dq_acc += da_col * k_r * _exp_le0(b_s - b_r)
-      dk_acc += dat_col * q_r * _exp_le0(b_r - b_s)
-      return dq_acc, dk_acc
+      return dq_acc + da_col * k_ref[row, :].astype(F32) * _exp_le0(b_s - b_ref[row, :])
 
-    dqs, dk = lax.fori_loop(0, SUB, diag_row, (dqs, dk))
+    def diag_dk(r, dk_acc):
+      row = pl.ds(r0 + r, 1)
+      dat_col = jnp.sum(jnp.where(cols == r, da_t, 0.0), axis=1, keepdims=True)   # dA[r, :]^T
+      q_r = q_ref[row, :].astype(F32) * scale
+      return dk_acc + dat_col * q_r * _exp_le0(b_ref[row, :] - b_s)
+
+    dqs = lax.fori_loop(0, SUB, diag_dq, dqs)
+    dk = lax.fori_loop(0, SUB, diag_dk, dk)
     dq_ref[sl, :] = (dqs * scale).astype(dq_ref.dtype)
     dk_ref[sl, :] = dk.astype(dk_ref.dtype)
     # dL/dG = q dq - k dk (G the cumulative log-gate); its reverse cumulative sum in the chunk.
-    dgl = qs * dqs - k_s * dk
+    dgl = load(q_ref, s).astype(F32) * scale * dqs - load(k_ref, s).astype(F32) * dk
     upper = (cols >= rows).astype(F32)
     dgl_ref[sl, :] = _dot(upper, dgl, (1, 0), F32) + carry
     return carry + jnp.sum(dgl, axis=0, keepdims=True)
