@@ -44,6 +44,9 @@ F32 = jnp.float32
 
 # Warps per program of both kernels; None: 4, or 8 when K or V > 64 (not tuned: no GPU yet).
 NUM_WARPS = None
+# The forward's diagonal blocks: "rows" (a loop over the 16 key rows, [16, K] tiles) or
+# "kpieces" (a loop over 16-column pieces of K, [16, 16, 16] tiles). Neither measured yet.
+DIAG = "rows"
 
 
 def _warps(width):
@@ -142,7 +145,20 @@ def _forward_kernel(*refs, scale, c, has_resets):
       col = jnp.sum(qi * k_u * _exp_le0(bi - b_u), axis=1, keepdims=True)  # [16, 1]
       return a_ii + jnp.where(cols == u, col, 0.0)
 
-    a_ii = lax.fori_loop(0, SUB, key_row, jnp.zeros((SUB, SUB), F32))
+    # Or in K pieces of 16 columns: [16, 16, 16] terms per piece, 4 pieces at K = 64 (more
+    # work per step, fewer dependent steps).
+    def k_piece(p, a_ii):
+      piece = pl.ds(pl.multiple_of(p * SUB, SUB), SUB)
+      qp = q_ref[rows_i, piece].astype(F32) * scale               # [16 t, 16 k]
+      kp_ = k_ref[rows_i, piece].astype(F32)                      # [16 u, 16 k]
+      bp = b_ref[rows_i, piece]
+      terms = qp[:, None, :] * kp_[None, :, :] * _exp_le0(bp[:, None, :] - bp[None, :, :])
+      return a_ii + jnp.sum(terms, axis=2)
+
+    if DIAG == "kpieces":
+      a_ii = lax.fori_loop(0, q_ref.shape[-1] // SUB, k_piece, jnp.zeros((SUB, SUB), F32))
+    else:
+      a_ii = lax.fori_loop(0, SUB, key_row, jnp.zeros((SUB, SUB), F32))
     keep = causal
     if rc_i is not None:
       keep = keep & (rc_i == rr_ref[:, rows_i])

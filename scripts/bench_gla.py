@@ -8,9 +8,10 @@ back-to-back calls divided by the batch size (device time, host dispatch overlap
 flash-linear-attention (fla.ops.gla.chunk_gla, if importable), of triton.testing.do_bench's CUDA
 events. `--intra` times chunk_gla's GPU path once per listed variant of its per-chunk part
 (gla_gpu.INTRA: "xla", the default, or "pallas", gla_gpu_intra's Triton kernels; "pallas-wN"
-runs those with N warps), one column each; `--check` checks every variant. A variant that
-fails (say, to compile) is reported in the notes and the run goes on. Writes DIR/bench_gla.md (a markdown table with ratios)
-and DIR/bench_gla.json.
+runs those with N warps, "pallas-kp" with the K-pieces diagonal blocks), one column each;
+`--check` checks every variant. A variant that fails (say, to compile) is reported in the
+notes and the run goes on; a misspelt one stops the run before anything is timed. Writes
+DIR/bench_gla.md (a markdown table with ratios) and DIR/bench_gla.json.
 """
 
 import argparse
@@ -103,10 +104,19 @@ def _time_fla(shape, reps):
 
 
 def _set_intra(variant):
-  """"xla", "pallas" or "pallas-wN" -> gla_gpu.INTRA (and gla_gpu_intra.NUM_WARPS)."""
-  name, _, warps = variant.partition("-w")
+  """"xla" or "pallas[-wN][-kp]" -> gla_gpu.INTRA, gla_gpu_intra.NUM_WARPS (N) and
+  gla_gpu_intra.DIAG ("kpieces" with -kp, else "rows")."""
+  name, *opts = variant.split("-")
   gla_gpu.INTRA = name
-  gla_gpu_intra.NUM_WARPS = int(warps) if warps else None
+  gla_gpu_intra.NUM_WARPS = None
+  gla_gpu_intra.DIAG = "rows"
+  for opt in opts:
+    if opt.startswith("w") and opt[1:].isdigit():
+      gla_gpu_intra.NUM_WARPS = int(opt[1:])
+    elif opt == "kp":
+      gla_gpu_intra.DIAG = "kpieces"
+    else:
+      raise ValueError(f"unknown --intra option {opt!r} in {variant!r}")
 
 
 def check(out_lines, intra="xla"):
@@ -149,6 +159,8 @@ def main():
   os.makedirs(args.out, exist_ok=True)
   shapes = ([tuple(map(int, s.split(","))) for s in args.shapes] if args.shapes else SHAPES)
   intras = args.intra.split(",")
+  for intra in intras:  # misspelt variants fail here, before any compilation
+    _set_intra(intra)
   notes = []
   if args.check:
     for intra in intras:

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import gla_gpu
+from pallas_kernels import gla_gpu_intra
 from pallas_kernels.chunk_gla import chunk_gla
 from pallas_kernels.gla_reference import gla_recurrent_step, gla_reference
 
@@ -108,6 +109,14 @@ def test_pallas_intra_kernels_match_recurrence(monkeypatch, shape, chunk, max_de
   check_against_recurrence(inputs, reset_rate > 0, platform="gpu", chunk_size=chunk)
 
 
+def test_pallas_intra_kpieces_diagonal_matches_recurrence(monkeypatch):
+  # gla_gpu_intra.DIAG = "kpieces": the forward's diagonal blocks in 16-column pieces of K.
+  monkeypatch.setattr(gla_gpu, "INTRA", "pallas")
+  monkeypatch.setattr(gla_gpu_intra, "DIAG", "kpieces")
+  inputs = random_inputs(31, 1, 50, 1, 24, 16, max_decay=20.0, reset_rate=0.08)
+  check_against_recurrence(inputs, True, platform="gpu", chunk_size=32)
+
+
 def test_pallas_intra_kernels_bfloat16_match_xla(monkeypatch):
   q, k, v, log_g, h0, reset, do, _ = random_inputs(29, 1, 64, 2, 16, 16, reset_rate=0.05)
   bf = lambda x: jnp.asarray(x, jnp.bfloat16)
@@ -125,12 +134,13 @@ def test_pallas_intra_kernels_bfloat16_match_xla(monkeypatch):
     assert rel_err(np.asarray(got, np.float32), np.asarray(want, np.float64)) < 2e-2
 
 
-@pytest.mark.parametrize("dtype, dh, with_reset", [("bfloat16", 64, True),
-                                                   ("float32", 128, False)])
-def test_pallas_intra_kernels_lower_to_triton(monkeypatch, dtype, dh, with_reset):
+@pytest.mark.parametrize("dtype, dh, with_reset, diag", [("bfloat16", 64, True, "rows"),
+                                                         ("float32", 128, False, "kpieces")])
+def test_pallas_intra_kernels_lower_to_triton(monkeypatch, dtype, dh, with_reset, diag):
   # No GPU here: check that forward + backward lower for CUDA (Pallas -> Triton IR), which
   # catches unsupported primitives and block shapes before the first GPU run.
   monkeypatch.setattr(gla_gpu, "INTRA", "pallas")
+  monkeypatch.setattr(gla_gpu_intra, "DIAG", diag)
   b, t, h, c = 1, 256, 2, 64
   x = jax.ShapeDtypeStruct((b, t, h, dh), jnp.dtype(dtype))
   g = jax.ShapeDtypeStruct((b, t, h, dh), jnp.float32)
