@@ -106,6 +106,7 @@ def _forward_kernel(*refs, scale, c, has_resets):
   causal = _iota((SUB, SUB), 1) <= _iota((SUB, SUB), 0)
   cols = _iota((SUB, SUB), 1)
   first = pl.program_id(2) == 0
+  state = _neighbour(ends_ref, s0_ref, first).astype(dt)
 
   # Loops (not Python unrolling) over sub-chunks bound the live ranges: ptxas then keeps the
   # kernel in registers (see docs/kernels.md).
@@ -119,7 +120,7 @@ def _forward_kernel(*refs, scale, c, has_resets):
     q_in = qi * jnp.exp(bi)
     if rc_i is not None:
       q_in = jnp.where(rc_i == 0.0, q_in, 0.0)
-    acc = _dot(q_in, _neighbour(ends_ref, s0_ref, first), (1, 0), dt)  # [16, V]
+    acc = _dot(q_in, state, (1, 0), dt)  # [16, V]
     # Off-diagonal blocks: both sides rescaled to ref_i, the cumulative gate before row 16 i
     # (for i = 0 there are none; row 0 stands in).
     ref_i = b_ref[pl.ds(jnp.maximum(r0 - 1, 0), 1), :]            # [1, K]
@@ -230,6 +231,10 @@ def _backward_kernel(*refs, scale, c, nt, has_resets):
   n = c // SUB
   rows, cols = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
   first, last = pl.program_id(2) == 0, pl.program_id(2) == nt - 1
+  # Loaded once, in the input dtype (the dots' operand dtype): fewer registers than loading
+  # them per sub-chunk (ptxas, docs/kernels.md).
+  state = _neighbour(ends_ref, s0_ref, first).astype(dt)          # [K, V]
+  d_end = _neighbour(dstarts_ref, dlast_ref, last).astype(dt)     # dL/d(state at chunk end)
   block = lambda j: pl.ds(pl.multiple_of(j * SUB, SUB), SUB)
   load = lambda ref, j: ref[block(j), :]
 
@@ -255,8 +260,7 @@ def _backward_kernel(*refs, scale, c, nt, has_resets):
     if rc_s is not None:
       q_in = jnp.where(rc_s == 0.0, q_in, 0.0)
       k_out = jnp.where(rc_s == rc_ref[pl.ds(c - 1, 1), :], k_out, 0.0)
-    dqs = q_in * _dot(do_s, _neighbour(ends_ref, s0_ref, first), (1, 1), dt)  # [16, K]
-    d_end = _neighbour(dstarts_ref, dlast_ref, last)            # dL/d(state at chunk end)
+    dqs = q_in * _dot(do_s, state, (1, 1), dt)                    # [16, K]
     dk = k_out * _dot(v_s, d_end, (1, 1), dt)                     # [16, K]
     dv = _dot(k_s * k_out, d_end, (1, 0), dt)                     # [16, V]
 
