@@ -1,9 +1,9 @@
-"""Triton (Pallas) kernel for the per-chunk part of gla_gpu's forward (opt-in: gla_gpu.INTRA).
+"""Triton (Pallas) kernels for the per-chunk part of gla_gpu (opt-in: gla_gpu.INTRA).
 
 One program per (batch row, head, chunk) of C tokens (a power of two >= 16; SUB = 16-row
-sub-chunks). From the chunk's q, k, v tiles (read in the caller's [B, T, H, X] layout, strided),
-its chunk-local cumulative log-gate b (float32, [B, H, NT, C, K]) and its entering state S_n
-(float32, [B, H, NT, K, V]) it writes
+sub-chunks). `forward`: from the chunk's q, k, v tiles (read in the caller's [B, T, H, X]
+layout, strided), its chunk-local cumulative log-gate b (float32, [B, H, NT, C, K]) and its
+entering state S_n (float32, from the scan's per-chunk output) it writes
 
     o = (scale q exp(b)) S_n + A v          (straight into [B, T, H, V]: no transpose after)
     A_tu = scale sum_k q_tk k_uk exp(b_tk - b_uk),  u <= t  (in q's dtype, [B, H, NT, C, C]:
@@ -17,8 +17,13 @@ with the same arithmetic as gla_gpu._attention (secondary chunking):
   (clamped at 0), operands in the input dtype, float32 accumulation;
 - diagonal 16 x 16 blocks in float32 log space, one key row u at a time: column u of the block
   is sum_k (q_i * k_u * exp(min(b_i - b_u, 0)))[:, k] over a [16, K] tile (never a
-  [16, 16, K] tensor in registers), placed by a select;
+  [16, 16, K] tensor in registers), placed by a select (DIAG = "kpieces": 16-column pieces
+  of K with [16, 16, 16] terms instead);
 - A v and the inter-chunk term by dots of [16, 16] x [16, V] and [16, K] x [K, V].
+
+`backward` is the same per chunk for dq, dk, dv (see its docstring). Sub-chunks are walked by
+fori_loops, not unrolled in Python: unrolled, ptxas spilled 9 KB per thread in the backward
+(scripts/ptxas_gla_intra.py measures registers and spills without a GPU).
 
 Every exponent is a later minus an earlier cumulative log-gate, clamped at 0 where a masked pair
 would make it positive: gates of e^-20 per step give no inf or NaN.
