@@ -95,13 +95,14 @@ def test_previous_gpu_kernels_still_match(monkeypatch):
 # backward dq, dk, dv, chunk-local d log_g), in Pallas interpret mode; h0 always given.
 # (B, T, H, K, V), chunk, max decay, reset rate: T not a multiple of the chunk, K != V, V < 16
 # and K not a power of two (zero-padded inside), one / two / four sub-chunks, gates down to
-# e^-20 per step, resets (masks across sub-chunks), four chunks (states from both neighbours).
+# e^-20 per step, resets (masks across sub-chunks), four chunks (states from both neighbours),
+# B and H both > 1.
 @pytest.mark.parametrize("shape, chunk, max_decay, reset_rate", [
     ((1, 45, 2, 16, 8), 32, 1.0, 0.0),
     ((1, 70, 1, 32, 16), 64, 20.0, 0.0),
     ((2, 50, 1, 12, 20), 32, 1.0, 0.1),
     ((1, 60, 2, 16, 16), 64, 20.0, 0.08),
-    ((2, 50, 1, 16, 16), 16, 1.0, 0.0),
+    ((2, 50, 2, 16, 16), 16, 1.0, 0.0),
 ])
 def test_pallas_intra_kernels_match_recurrence(monkeypatch, shape, chunk, max_decay, reset_rate):
   monkeypatch.setattr(gla_gpu, "INTRA", "pallas")
