@@ -2,7 +2,7 @@
 
     pip install --target /tmp/tri --no-deps triton==3.9.0      # once (about 290 MB)
     python scripts/ptxas_gla_intra.py --triton /tmp/tri [--dh 64 128] [--warps 4 8]
-        [--diag rows kpieces] [--resets]
+        [--diag rows kpieces] [--resets] [--dtype float32]
 
 Lowers each kernel with Pallas to Triton IR (on the CPU, for an sm_90 target), compiles that
 IR text to PTX with the pip Triton, and runs the bundled ptxas -v for sm_90a: it prints the
@@ -68,6 +68,7 @@ def main():
   ap.add_argument("--warps", type=int, nargs="*", default=[4])
   ap.add_argument("--diag", nargs="*", default=["rows"])
   ap.add_argument("--resets", action="store_true")
+  ap.add_argument("--dtype", default="bfloat16")
   args = ap.parse_args()
   sys.path.insert(0, args.triton)
   os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -79,7 +80,7 @@ def main():
   for diag in args.diag:
     gla_gpu_intra.DIAG = diag
     for dh in args.dh:
-      for name, fn, fargs in kernels(dh, args.resets):
+      for name, fn, fargs in kernels(dh, args.resets, jnp.dtype(args.dtype)):
         if name == "backward" and diag != args.diag[0]:
           continue  # DIAG only changes the forward
         path = os.path.join(work, f"{name}.ttir")
@@ -95,7 +96,8 @@ def main():
                                capture_output=True, text=True).stderr
           regs = re.search(r"Used (\d+) registers", out)
           spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
-          print(f"{name:8s} diag={diag:7s} Dh={dh:3d} warps={warps} resets={args.resets}: "
+          print(f"{name:8s} {args.dtype} diag={diag:7s} Dh={dh:3d} warps={warps} "
+                f"resets={args.resets}: "
                 f"{regs.group(1) if regs else '?'} registers, spill stores/loads "
                 f"{spill.group(1) + ' / ' + spill.group(2) if spill else '?'} bytes, "
                 f"shared {compiled.metadata.shared} B", flush=True)
