@@ -33,6 +33,10 @@ end only with the chunk's last count, and a chunk with a document start passes n
 
 Layout: the token arrays are transposed once to [B, H, NT, C, X] (contiguous C x X tiles per
 chunk); any K and V (no padding).
+
+INTRA = "pallas" (opt-in, not yet measured on a GPU) replaces the per-chunk part of the forward
+(A, o) and of the backward (dq, dk, dv, the chunk-local d log_g sums) by gla_gpu_intra's two
+Triton kernels, one program per chunk, which read and write the [B, T, H, X] arrays directly.
 """
 
 import functools
@@ -42,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import gla_gpu_intra
 from pallas_kernels import scan_core
 from pallas_kernels import scan_linear
 
@@ -52,6 +57,11 @@ F32 = jnp.float32
 # "associative" (lax.associative_scan in XLA) or "loop" (lax.scan): the last two are not
 # measured on a GPU; overridable for benchmarking and debugging.
 SCAN = os.environ.get("GLA_GPU_SCAN", "pallas")
+
+# How the forward's per-chunk part (A and o) runs: "xla" (the default, measured: batched
+# products and a fused diagonal-block reduction) or "pallas" (gla_gpu_intra's Triton kernel:
+# one program per chunk, o written straight into [B, T, H, V]; not measured on a GPU yet).
+INTRA = os.environ.get("GLA_GPU_INTRA", "xla")
 
 
 def _prec(dt):
@@ -223,6 +233,13 @@ def _fwd(scale, c, interpret, q, k, v, g, s0, rc):
   vt = ch.tiles(v)
   u = _mm("...ck,...cv->...kv", ch.k.astype(F32) * ch.k_out, vt, dt)   # [B, H, NT, K, V]
   ends, s_last = ch.scan_states(u, s0, False, interpret)
+  if INTRA not in ("xla", "pallas"):
+    raise ValueError(f"gla_gpu.INTRA must be 'xla' or 'pallas', got {INTRA!r}")
+  if INTRA == "pallas":
+    o, attn = gla_gpu_intra.forward(q, k, v, ch.b, ends, s0, rc, scale=scale, chunk=c,
+                                    interpret=interpret)
+    # (ends,): the per-chunk states as the kernels take them (the tuple tells _bwd).
+    return (o, s_last), (q, k, v, g, s0, rc, (ends,), attn, s_last)
   starts = jnp.concatenate([s0[:, :, None], ends[:, :, :-1]], axis=2)
   attn = _attention(ch.qs, ch.k.astype(F32), ch.b, ch.keep, dt).astype(dt)
   o = _mm("...ck,...kv->...cv", ch.qs * ch.q_in, starts, dt) + _mm("...tu,...uv->...tv",
@@ -240,6 +257,13 @@ def _bwd(scale, c, interpret, res, cts):
   q_in = ch.qs * ch.q_in
   w = _mm("...ck,...cv->...kv", q_in, dot, dt)
   d_starts, ds0 = ch.scan_states(w, ds_last.astype(F32), True, interpret)
+  if isinstance(starts, tuple):  # the forward ran gla_gpu_intra (INTRA == "pallas")
+    dq, dk, dv, within = gla_gpu_intra.backward(
+        q, k, v, do, ch.b, starts[0], s0, d_starts, ds_last.astype(F32), attn, rc, scale=scale,
+        chunk=c, interpret=interpret)
+    dlog_g = _across_chunks(within, c) + jnp.sum(ds_last * s_last, axis=-1)[:, None]
+    return (dq, dk.astype(k.dtype), dv.astype(v.dtype), dlog_g.astype(g.dtype),
+            ds0.astype(s0.dtype), None)
   d_ends = jnp.concatenate([d_starts[:, :, 1:], ds_last[:, :, None].astype(F32)], axis=2)
   dattn = jnp.where(ch.keep, _mm("...tv,...uv->...tu", dot, vt, dt), 0.0)
   kf = ch.k.astype(F32)
@@ -261,6 +285,15 @@ def _reverse_cumsum(x):
   totals = within[..., 0:1, :]                                     # [B, H, NT, 1, K]
   later = jnp.flip(jnp.cumsum(jnp.flip(totals, 2), axis=2), 2) - totals
   return within + later
+
+
+def _across_chunks(within, c):
+  """within [B, Tp, H, K] (reverse cumulative sums inside each chunk) + all later chunks' sums."""
+  bsz, tp, h, kd = within.shape
+  x = within.reshape(bsz, tp // c, c, h, kd)
+  totals = x[:, :, 0:1]                                            # [B, NT, 1, H, K]
+  later = jnp.flip(jnp.cumsum(jnp.flip(totals, 1), axis=1), 1) - totals
+  return (x + later).reshape(within.shape)
 
 
 gla.defvjp(_fwd, _bwd)

@@ -1,11 +1,17 @@
 """Times chunk_gla (forward, forward+backward) beside flash-linear-attention and cuDNN attention.
 
     python scripts/bench_gla.py --out DIR [--shapes 8,2048,16,64 ...] [--reps 20] [--check]
+        [--intra xla,pallas]
 
 Runs on a GPU. All inputs bfloat16, K = V = head dim. Times are medians: for JAX, of batches of
 back-to-back calls divided by the batch size (device time, host dispatch overlapped); for
 flash-linear-attention (fla.ops.gla.chunk_gla, if importable), of triton.testing.do_bench's CUDA
-events. Writes DIR/bench_gla.md (a markdown table with ratios) and DIR/bench_gla.json.
+events. `--intra` times chunk_gla's GPU path once per listed variant of its per-chunk part
+(gla_gpu.INTRA: "xla", the default, or "pallas", gla_gpu_intra's Triton kernels; "pallas-wN"
+runs those with N warps, "pallas-kp" with the K-pieces diagonal blocks), one column each;
+`--check` checks every variant. A variant that fails (say, to compile) is reported in the
+notes and the run goes on; a misspelt one stops the run before anything is timed. Writes
+DIR/bench_gla.md (a markdown table with ratios) and DIR/bench_gla.json.
 """
 
 import argparse
@@ -18,6 +24,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import gla_gpu
+from pallas_kernels import gla_gpu_intra
 from pallas_kernels.chunk_gla import chunk_gla
 from pallas_kernels.gla_reference import gla_reference
 
@@ -95,8 +103,25 @@ def _time_fla(shape, reps):
   return fwd, bench(fwd_bwd)
 
 
-def check(out_lines):
+def _set_intra(variant):
+  """"xla" or "pallas[-wN][-kp]" -> gla_gpu.INTRA, gla_gpu_intra.NUM_WARPS (N) and
+  gla_gpu_intra.DIAG ("kpieces" with -kp, else "rows")."""
+  name, *opts = variant.split("-")
+  gla_gpu.INTRA = name
+  gla_gpu_intra.NUM_WARPS = None
+  gla_gpu_intra.DIAG = "rows"
+  for opt in opts:
+    if opt.startswith("w") and opt[1:].isdigit():
+      gla_gpu_intra.NUM_WARPS = int(opt[1:])
+    elif opt == "kp":
+      gla_gpu_intra.DIAG = "kpieces"
+    else:
+      raise ValueError(f"unknown --intra option {opt!r} in {variant!r}")
+
+
+def check(out_lines, intra="xla"):
   """Our kernel against the float32 reference on the GPU, values and gradients."""
+  _set_intra(intra)
   for dtype, shape in ((jnp.float32, (2, 1000, 4, 48)), (jnp.bfloat16, (2, 4096, 4, 64))):
     b, t, h, d = shape
     q, k, v, g, do = (x.astype(dtype) for x in _inputs(shape, seed=1))
@@ -112,7 +137,8 @@ def check(out_lines):
     errs = [rel(a, r) for a, r in zip(ours[1], ref[1])]
     o1 = jax.jit(lambda *a: chunk_gla(*a)[0])(q, k, v, g)
     o2 = jax.jit(lambda *a: gla_reference(*a)[0])(*f32((q, k, v, g)))
-    line = (f"check {jnp.dtype(dtype).name} {shape}: o rel err {rel(o1, o2):.2e}; "
+    line = (f"check intra={intra} {jnp.dtype(dtype).name} {shape}: "
+            f"o rel err {rel(o1, o2):.2e}; "
             f"dq dk dv dlog_g rel err {' '.join(f'{e:.2e}' for e in errs)}")
     print(line, flush=True)
     out_lines.append(line)
@@ -125,53 +151,79 @@ def main():
   ap.add_argument("--reps", type=int, default=20)
   ap.add_argument("--check", action="store_true", help="compare with the reference first")
   ap.add_argument("--no_fla", action="store_true")
+  ap.add_argument("--intra", default="xla",
+                  help="comma-separated gla_gpu.INTRA variants to time: xla, pallas")
   ap.add_argument("--deadline", type=float, default=1e9,
                   help="seconds after which no new measurement starts (the table still gets written)")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   shapes = ([tuple(map(int, s.split(","))) for s in args.shapes] if args.shapes else SHAPES)
+  intras = args.intra.split(",")
+  for intra in intras:  # misspelt variants fail here, before any compilation
+    _set_intra(intra)
   notes = []
   if args.check:
-    check(notes)
-  gla_fwd, gla_fb = _gla_fns()
+    for intra in intras:
+      try:
+        check(notes, intra)
+      except Exception as e:  # pylint: disable=broad-except
+        notes.append(f"check intra={intra} FAILED: {type(e).__name__}: {str(e)[:2000]}")
+        print(notes[-1], flush=True)
   att_fwd, att_fb = _cudnn_fns()
   start = time.perf_counter()
   timed = lambda fn, *a: None if time.perf_counter() - start > args.deadline else fn(*a)
   rows = []
   for shape in shapes:
     q, k, v, g, do = _inputs(shape)
-    r = {"shape": shape, "fla_fwd": None, "fla_fb": None}
-    r["gla_fwd"] = timed(_time_jax, gla_fwd, (q, k, v, g), args.reps)
-    r["gla_fb"] = timed(_time_jax, gla_fb, (q, k, v, g, do), args.reps)
+    r = {"shape": shape, "fla_fwd": None, "fla_fb": None, "gla": {}}
+    for intra in intras:
+      _set_intra(intra)  # read when the jitted functions are traced (first call)
+      gla_fwd, gla_fb = _gla_fns()
+      print(f"{shape} intra={intra}", flush=True)
+      try:
+        r["gla"][intra] = (timed(_time_jax, gla_fwd, (q, k, v, g), args.reps),
+                           timed(_time_jax, gla_fb, (q, k, v, g, do), args.reps))
+      except Exception as e:  # pylint: disable=broad-except
+        r["gla"][intra] = (None, None)
+        notes.append(f"{shape} intra={intra} FAILED: {type(e).__name__}: {str(e)[:2000]}")
+        print(notes[-1], flush=True)
+    r["gla_fwd"], r["gla_fb"] = r["gla"][intras[0]]
     r["att_fwd"] = timed(_time_jax, att_fwd, (q, k, v), args.reps)
     r["att_fb"] = timed(_time_jax, att_fb, (q, k, v, do), args.reps)
     rows.append(r)
     print(r, flush=True)
-    _write_table(rows, notes, args.out)
+    _write_table(rows, notes, args.out, intras)
   for r in rows:  # last: its autotuning compiles many variants per (H, K)
     fla = None if args.no_fla else timed(_time_fla, r["shape"], args.reps)
     r["fla_fwd"], r["fla_fb"] = fla if fla else (None, None)
     print(r, flush=True)
-    _write_table(rows, notes, args.out)
+    _write_table(rows, notes, args.out, intras)
 
-  print(_write_table(rows, notes, args.out))
+  print(_write_table(rows, notes, args.out, intras))
 
 
-def _write_table(rows, notes, out):
-  """Markdown and JSON of what has been measured so far."""
+def _write_table(rows, notes, out, intras=("xla",)):
+  """Markdown and JSON of what has been measured so far (one chunk_gla column per variant)."""
   fmt = lambda x: "-" if x is None else f"{x:.3f}"
   ratio = lambda a, b: "-" if a is None or b is None else f"{a / b:.2f}"
   dev = jax.devices()[0]
+  head = " / ".join(intras)
   lines = [f"Device: {dev.device_kind}; jax {jax.__version__}; "
            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", "",
-           "| B, T, H, Dh | chunk_gla fwd / fwd+bwd (ms) | fla chunk_gla fwd / fwd+bwd (ms) "
-           "| cuDNN attention fwd / fwd+bwd (ms) | ours/fla fwd+bwd | ours/cuDNN fwd+bwd |",
-           "|---|---|---|---|---|---|"]
+           "| B, T, H, Dh | "
+           + " | ".join(f"chunk_gla intra={i} fwd / fwd+bwd (ms)" for i in intras)
+           + " | fla chunk_gla fwd / fwd+bwd (ms) | cuDNN attention fwd / fwd+bwd (ms) "
+           f"| ours/fla fwd+bwd ({head}) | ours/cuDNN fwd+bwd ({head}) |",
+           "|---" * (len(intras) + 5) + "|"]
   for r in rows:
+    gla = [r["gla"].get(i, (None, None)) for i in intras]
     lines.append(
-        f"| {', '.join(map(str, r['shape']))} | {fmt(r['gla_fwd'])} / {fmt(r['gla_fb'])} "
-        f"| {fmt(r['fla_fwd'])} / {fmt(r['fla_fb'])} | {fmt(r['att_fwd'])} / {fmt(r['att_fb'])} "
-        f"| {ratio(r['gla_fb'], r['fla_fb'])} | {ratio(r['gla_fb'], r['att_fb'])} |")
+        f"| {', '.join(map(str, r['shape']))} | "
+        + " | ".join(f"{fmt(f)} / {fmt(fb)}" for f, fb in gla)
+        + f" | {fmt(r['fla_fwd'])} / {fmt(r['fla_fb'])} "
+        f"| {fmt(r['att_fwd'])} / {fmt(r['att_fb'])} "
+        f"| {' / '.join(ratio(fb, r['fla_fb']) for _, fb in gla)} "
+        f"| {' / '.join(ratio(fb, r['att_fb']) for _, fb in gla)} |")
   lines += [""] + notes
   text = "\n".join(lines)
   with open(os.path.join(out, "bench_gla.md"), "w") as f:
