@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from pallas_kernels import gla_calls
 from pallas_kernels import gla_gpu
 from pallas_kernels.gla_chunk import SUB
-from pallas_kernels.gla_reference import (chunk_reset_counts, default_scale, gla_recurrent_step,
-                                          gla_reference)
+from pallas_kernels.gla_reference import (add_later_chunks, chunk_reset_counts, default_scale,
+                                          gla_recurrent_step, gla_reference)
 
 __all__ = ["chunk_gla", "gla_recurrent_step", "gla_reference"]
 
@@ -73,8 +73,8 @@ def chunk_gla(q, k, v, log_g, h0=None, *, scale=None, reset=None, chunk_size=64,
     pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2))
     s0 = jnp.zeros((bsz, h, dk, dv), F32) if h0 is None else h0.astype(F32)
     rc = None if reset is None else chunk_reset_counts(pad(reset), c)
-    o, s_last = gla_gpu.gla(scale, c, plan.interpret, pad(q), pad(k.astype(q.dtype)),
-                            pad(v.astype(q.dtype)), pad(log_g), s0, rc)
+    o, s_last = gla_gpu.gla(scale, c, plan.interpret, gla_gpu.intra_impl(), pad(q),
+                            pad(k.astype(q.dtype)), pad(v.astype(q.dtype)), pad(log_g), s0, rc)
     return o[:, :t], s_last
   # Triton tiles are powers of two (and dots at least 16 wide): pad K and V with zeros, which
   # leave the padded state rows/columns at zero.
@@ -143,12 +143,9 @@ def _log_gate_grad(plan, dgl, ds_last, s_last):
   axis = 2 if plan.head_major else 1
   shape = dgl.shape
   split = shape[:axis] + (shape[axis] // c, c) + shape[axis + 1:]
-  chunks = dgl.reshape(split)
-  totals = jnp.take(chunks, 0, axis=axis + 1)  # [.., NT, .., K]: each chunk's whole sum
-  later = jnp.flip(jnp.cumsum(jnp.flip(totals, axis), axis), axis) - totals
   final = jnp.sum(ds_last * s_last, axis=-2)  # [B, H, K]
   final = final[:, :, None, :] if plan.head_major else final[:, None, :, :]
-  return (chunks + jnp.expand_dims(later, axis + 1)).reshape(shape) + final
+  return add_later_chunks(dgl.reshape(split), axis).reshape(shape) + final
 
 
 _gla.defvjp(_gla_fwd, _gla_bwd)

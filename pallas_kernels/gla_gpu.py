@@ -49,6 +49,7 @@ from jax import lax
 from pallas_kernels import gla_gpu_intra
 from pallas_kernels import scan_core
 from pallas_kernels import scan_linear
+from pallas_kernels.gla_reference import add_later_chunks
 
 SUB = 16
 F32 = jnp.float32
@@ -62,6 +63,13 @@ SCAN = os.environ.get("GLA_GPU_SCAN", "pallas")
 # products and a fused diagonal-block reduction) or "pallas" (gla_gpu_intra's Triton kernel:
 # one program per chunk, o written straight into [B, T, H, V]; not measured on a GPU yet).
 INTRA = os.environ.get("GLA_GPU_INTRA", "xla")
+
+
+def intra_impl() -> str:
+  """``INTRA``, checked: read once per call of chunk_gla (``gla``'s static argument)."""
+  if INTRA not in ("xla", "pallas"):
+    raise ValueError(f"gla_gpu.INTRA must be 'xla' or 'pallas', got {INTRA!r}")
+  return INTRA
 
 
 def _prec(dt):
@@ -217,29 +225,27 @@ class _Chunks:
     return ys.reshape(x.shape), last.reshape(init.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def gla(scale, c, interpret, q, k, v, g, s0, rc):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def gla(scale, c, interpret, intra, q, k, v, g, s0, rc):
   """o [B, Tp, H, V] (q's dtype), h_last [B, H, K, V] float32; Tp a multiple of c.
 
   q, k, g: [B, Tp, H, K]; v: [B, Tp, H, V]; s0 [B, H, K, V] float32; rc [B, Tp] float32 reset
-  counts (gla_reference.chunk_reset_counts) or None.
+  counts (gla_reference.chunk_reset_counts) or None; intra: ``intra_impl()``.
   """
-  return _fwd(scale, c, interpret, q, k, v, g, s0, rc)[0]
+  return _fwd(scale, c, interpret, intra, q, k, v, g, s0, rc)[0]
 
 
-def _fwd(scale, c, interpret, q, k, v, g, s0, rc):
+def _fwd(scale, c, interpret, intra, q, k, v, g, s0, rc):
   dt = q.dtype
   ch = _Chunks(q, k, g, rc, scale, c)
   vt = ch.tiles(v)
   u = _mm("...ck,...cv->...kv", ch.k.astype(F32) * ch.k_out, vt, dt)   # [B, H, NT, K, V]
   ends, s_last = ch.scan_states(u, s0, False, interpret)
-  if INTRA not in ("xla", "pallas"):
-    raise ValueError(f"gla_gpu.INTRA must be 'xla' or 'pallas', got {INTRA!r}")
-  if INTRA == "pallas":
+  if intra == "pallas":
     o, attn = gla_gpu_intra.forward(q, k, v, ch.b, ends, s0, rc, scale=scale, chunk=c,
                                     interpret=interpret)
-    # (ends,): the per-chunk states as the kernels take them (the tuple tells _bwd).
-    return (o, s_last), (q, k, v, g, s0, rc, (ends,), attn, s_last)
+    # The kernels take the per-chunk end states (each chunk reads its predecessor's).
+    return (o, s_last), (q, k, v, g, s0, rc, ends, attn, s_last)
   starts = jnp.concatenate([s0[:, :, None], ends[:, :, :-1]], axis=2)
   attn = _attention(ch.qs, ch.k.astype(F32), ch.b, ch.keep, dt).astype(dt)
   o = _mm("...ck,...kv->...cv", ch.qs * ch.q_in, starts, dt) + _mm("...tu,...uv->...tv",
@@ -248,8 +254,8 @@ def _fwd(scale, c, interpret, q, k, v, g, s0, rc):
   return (o, s_last), (q, k, v, g, s0, rc, starts, attn, s_last)
 
 
-def _bwd(scale, c, interpret, res, cts):
-  q, k, v, g, s0, rc, starts, attn, s_last = res
+def _bwd(scale, c, interpret, intra, res, cts):
+  q, k, v, g, s0, rc, states, attn, s_last = res  # states: chunk starts (xla) or ends (pallas)
   do, ds_last = cts
   dt = q.dtype
   ch = _Chunks(q, k, g, rc, scale, c)
@@ -257,13 +263,14 @@ def _bwd(scale, c, interpret, res, cts):
   q_in = ch.qs * ch.q_in
   w = _mm("...ck,...cv->...kv", q_in, dot, dt)
   d_starts, ds0 = ch.scan_states(w, ds_last.astype(F32), True, interpret)
-  if isinstance(starts, tuple):  # the forward ran gla_gpu_intra (INTRA == "pallas")
+  if intra == "pallas":
     dq, dk, dv, within = gla_gpu_intra.backward(
-        q, k, v, do, ch.b, starts[0], s0, d_starts, ds_last.astype(F32), attn, rc, scale=scale,
+        q, k, v, do, ch.b, states, s0, d_starts, ds_last.astype(F32), attn, rc, scale=scale,
         chunk=c, interpret=interpret)
     dlog_g = _across_chunks(within, c) + jnp.sum(ds_last * s_last, axis=-1)[:, None]
     return (dq, dk.astype(k.dtype), dv.astype(v.dtype), dlog_g.astype(g.dtype),
             ds0.astype(s0.dtype), None)
+  starts = states
   d_ends = jnp.concatenate([d_starts[:, :, 1:], ds_last[:, :, None].astype(F32)], axis=2)
   dattn = jnp.where(ch.keep, _mm("...tv,...uv->...tu", dot, vt, dt), 0.0)
   kf = ch.k.astype(F32)
@@ -281,19 +288,13 @@ def _bwd(scale, c, interpret, res, cts):
 
 def _reverse_cumsum(x):
   """Reverse cumulative sum over the whole sequence of [B, H, NT, C, K] (chunks, then across)."""
-  within = jnp.flip(jnp.cumsum(jnp.flip(x, -2), axis=-2), -2)
-  totals = within[..., 0:1, :]                                     # [B, H, NT, 1, K]
-  later = jnp.flip(jnp.cumsum(jnp.flip(totals, 2), axis=2), 2) - totals
-  return within + later
+  return add_later_chunks(jnp.flip(jnp.cumsum(jnp.flip(x, -2), axis=-2), -2), 2)
 
 
 def _across_chunks(within, c):
   """within [B, Tp, H, K] (reverse cumulative sums inside each chunk) + all later chunks' sums."""
   bsz, tp, h, kd = within.shape
-  x = within.reshape(bsz, tp // c, c, h, kd)
-  totals = x[:, :, 0:1]                                            # [B, NT, 1, H, K]
-  later = jnp.flip(jnp.cumsum(jnp.flip(totals, 1), axis=1), 1) - totals
-  return (x + later).reshape(within.shape)
+  return add_later_chunks(within.reshape(bsz, tp // c, c, h, kd), 1).reshape(within.shape)
 
 
 gla.defvjp(_fwd, _bwd)

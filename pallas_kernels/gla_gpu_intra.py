@@ -256,7 +256,7 @@ def _backward_kernel(*refs, scale, c, nt, has_resets):
     s = n - 1 - it
     sl = block(s)
     r0 = pl.multiple_of(s * SUB, SUB)
-    qs, k_s, b_s = load(q_ref, s).astype(F32) * scale, load(k_ref, s).astype(F32), load(b_ref, s)
+    k_s, b_s = load(k_ref, s).astype(F32), load(b_ref, s)
     v_s, do_s = load(v_ref, s), load(do_ref, s)
     rc_s = None if rc_ref is None else load(rc_ref, s)             # [16, 1]
     # Inter-chunk terms: through the entering state (queries) and the leaving one (keys).

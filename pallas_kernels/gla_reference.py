@@ -35,6 +35,17 @@ def chunk_reset_counts(reset: jax.Array, chunk: int) -> jax.Array:
   return jnp.cumsum(r, axis=-1).reshape(b, t)
 
 
+def add_later_chunks(within: jax.Array, axis: int) -> jax.Array:
+  """Reverse cumulative sums over a whole row from reverse cumulative sums within each chunk.
+
+  ``within`` has chunks on ``axis`` and the positions of a chunk on ``axis + 1``; position 0
+  of a chunk holds that chunk's whole sum. Adds the sums of all later chunks to every position
+  (the backward's d log_g in every GLA path)."""
+  totals = jnp.take(within, 0, axis=axis + 1)
+  later = jnp.flip(jnp.cumsum(jnp.flip(totals, axis), axis), axis) - totals
+  return within + jnp.expand_dims(later, axis + 1)
+
+
 def gla_reference(q, k, v, log_g, h0=None, *, scale=None, reset=None, chunk_size=64):
   """Chunked GLA in float32 (float64 for float64 inputs) with `lax.scan` over chunks.
 

@@ -147,22 +147,36 @@ def bench_rows(T, iters, rg_scan, config):
   return rows
 
 
-def check(key):
-  """GPU kernels vs the float64 reference on small odd shapes; raises on a mismatch."""
-  for (b, t, d, dtype, reverse) in [(2, 257, 200, jnp.float32, False),
-                                    (3, 1000, 2560, jnp.bfloat16, True), (1, 1, 7, jnp.float32, False)]:
+CHECK_SHAPES = [(2, 257, 200, jnp.float32, False), (3, 1000, 2560, jnp.bfloat16, True),
+                (1, 1, 7, jnp.float32, False)]
+
+
+def f64(v):
+  return jnp.asarray(np.asarray(v, np.float64))
+
+
+def check_scan_vjp(name, scan, key, shapes=CHECK_SHAPES):
+  """``scan(x, a, h0, reverse) -> (y, h_last)`` and its VJP vs the float64 reference on
+  ``shapes`` ``(b, t, d, dtype, reverse)``; raises on a mismatch."""
+  for (b, t, d, dtype, reverse) in shapes:
     inp = make_inputs(key, t, dtype, b, d)
     h0 = jax.random.normal(key, (b, d), jnp.float32)
-    got = jax.vjp(lambda x, a, h: scan_linear.linear_scan(x, a, h, reverse=reverse),
-                  inp["x"], inp["a"], h0)
+    got = jax.vjp(lambda x, a, h: scan(x, a, h, reverse), inp["x"], inp["a"], h0)
     grads = got[1]((inp["dy"], jnp.ones((b, d), jnp.float32)))
     with jax.enable_x64(True):
-      f64 = lambda v: jnp.asarray(np.asarray(v, np.float64))
       ref = jax.vjp(lambda x, a, h: scan_reference.linear_scan_reference(x, a, h, reverse=reverse),
                     f64(inp["x"]), f64(inp["a"]), f64(h0))
       ref_grads = ref[1]((f64(inp["dy"]), jnp.ones((b, d), jnp.float64)))
-      _report("linear_scan", (b, t, d, dtype.__name__, reverse), got[0] + grads,
-              ref[0] + ref_grads, dtype)
+      _report(name, (b, t, d, dtype.__name__, reverse), got[0] + grads, ref[0] + ref_grads, dtype)
+
+
+def check(key):
+  """GPU kernels vs the float64 reference on small odd shapes; raises on a mismatch."""
+  check_scan_vjp("linear_scan", lambda x, a, h, r: scan_linear.linear_scan(x, a, h, reverse=r),
+                 key)
+  for (b, t, d, dtype, _) in CHECK_SHAPES:
+    inp = make_inputs(key, t, dtype, b, d)
+    h0 = jax.random.normal(key, (b, d), jnp.float32)
     layer = (inp["x"], inp["gx"], inp["ga"], inp["a_param"])
     got = jax.vjp(lambda *v: rg_lru_fused.rg_lru(*v, inp["reset"], h0), *layer)
     grads = got[1]((inp["dy"], jnp.ones((b, d), jnp.float32)))
@@ -173,10 +187,15 @@ def check(key):
       _report("rg_lru", (b, t, d, dtype.__name__), got[0] + grads, ref[0] + ref_grads, dtype)
 
 
+def rel_errors(got, ref):
+  """Relative L2 error of each array of ``got`` against ``ref``."""
+  return [float(np.linalg.norm(np.asarray(g, np.float64) - np.asarray(r))
+                / max(np.linalg.norm(np.asarray(r)), 1e-30)) for g, r in zip(got, ref)]
+
+
 def _report(name, shape, got, ref, dtype):
   tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
-  errs = [float(np.linalg.norm(np.asarray(g, np.float64) - np.asarray(r))
-                / max(np.linalg.norm(np.asarray(r)), 1e-30)) for g, r in zip(got, ref)]
+  errs = rel_errors(got, ref)
   print(f"check {name} {shape}: max rel err {max(errs):.2e}", flush=True)
   if not max(errs) < tol:
     raise AssertionError(f"{name} {shape}: errors {errs}")

@@ -1,36 +1,34 @@
-"""Per-kernel GPU time of chunk_gla forward+backward from a jax.profiler (perfetto) trace.
+"""Where the GPU time of chunk_gla forward + backward goes, from a jax.profiler trace.
 
-    python scripts/profile_gla.py --shape 2,8192,16,64 [--out DIR] [--top 25]
+    python scripts/profile_gla.py --shape 2,8192,16,64 [--iters 3] [--top 25] [--fwd_only]
 
-Prints the kernels by total device time per call (ms), their counts, and the sum.
+Profiles ``--iters`` calls on bench_gla's inputs (bfloat16, K = V = Dh) and prints
+``profile_summary.summarize``'s tables per call: time by kind of kernel and the top kernels.
 """
 
 import argparse
-import collections
-import glob
-import gzip
-import json
 import os
+import sys
 import tempfile
 
-import jax
-import jax.numpy as jnp
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from pallas_kernels.chunk_gla import chunk_gla
+import jax  # pylint: disable=g-import-not-at-top
+
+import bench_gla  # pylint: disable=g-import-not-at-top
+import profile_summary  # pylint: disable=g-import-not-at-top
+from pallas_kernels.chunk_gla import chunk_gla  # pylint: disable=g-import-not-at-top
 
 
 def main():
-  ap = argparse.ArgumentParser()
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--shape", default="2,8192,16,64")
   ap.add_argument("--top", type=int, default=25)
   ap.add_argument("--iters", type=int, default=3)
   ap.add_argument("--fwd_only", action="store_true")
   args = ap.parse_args()
-  b, t, h, d = map(int, args.shape.split(","))
-  ks = jax.random.split(jax.random.key(0), 5)
-  q, k, v, do = (jax.random.normal(kk, (b, t, h, d), jnp.bfloat16) for kk in ks[:4])
-  g = jax.nn.log_sigmoid(jax.random.normal(ks[4], (b, t, h, d), jnp.float32) + 2.0).astype(
-      jnp.bfloat16)
+  q, k, v, g, do = bench_gla._inputs(tuple(map(int, args.shape.split(","))))  # pylint: disable=protected-access
   if args.fwd_only:
     fn, xs = jax.jit(lambda q, k, v, g: chunk_gla(q, k, v, g)[0]), (q, k, v, g)
   else:
@@ -41,31 +39,9 @@ def main():
   with jax.profiler.trace(out, create_perfetto_trace=True):
     for _ in range(args.iters):
       jax.block_until_ready(fn(*xs))
-  path = glob.glob(os.path.join(out, "**", "perfetto_trace.json.gz"), recursive=True)[0]
-  data = json.load(gzip.open(path))
-  events = data["traceEvents"] if isinstance(data, dict) else data
-  procs = {e["pid"]: e["args"]["name"] for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  gpu = {p for p, n in procs.items() if "GPU" in n or "gpu" in n or "device" in n.lower()}
-  gpu -= {p for p, n in procs.items() if "CPU" in n}
-  threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
-  names = sorted({n for (p, _), n in threads.items() if p in gpu})
-  print("GPU threads:", names[:12])
-  pick = [n for n in names if n == "XLA Ops"] or [n for n in names if "tream" in n]
-  tot, cnt = collections.Counter(), collections.Counter()
-  for e in events:
-    if e.get("ph") == "X" and e.get("pid") in gpu:
-      tname = threads.get((e["pid"], e.get("tid")), "")
-      if tname not in pick:
-        continue
-      name = e.get("name", "?")[:90]
-      tot[name] += e.get("dur", 0.0)
-      cnt[name] += 1
-  print(f"{args.shape}: {sum(tot.values()) / args.iters / 1e3:.3f} ms of kernels per call; "
-        f"processes {sorted(procs[p] for p in gpu)}")
-  for name, us in tot.most_common(args.top):
-    print(f"  {us / args.iters / 1e3:8.3f} ms  x{cnt[name] // args.iters:3d}  {name}")
+  print(f"chunk_gla {'forward' if args.fwd_only else 'forward + backward'} at {args.shape}, "
+        f"per call:")
+  print(profile_summary.summarize(out, steps=args.iters, top=args.top))
 
 
 if __name__ == "__main__":

@@ -150,7 +150,8 @@ def test_pallas_intra_kernels_lower_to_triton(monkeypatch, dtype, dh, with_reset
 
   def fwd_bwd(q, k, v, log_g, s0, rc, do):
     # gla_gpu.gla directly: chunk_gla always interprets on a CPU backend.
-    (o, _), vjp = jax.vjp(lambda *a: gla_gpu.gla(dh**-0.5, c, False, *a, rc), q, k, v, log_g, s0)
+    gla = lambda *a: gla_gpu.gla(dh**-0.5, c, False, gla_gpu.intra_impl(), *a, rc)
+    (o, _), vjp = jax.vjp(gla, q, k, v, log_g, s0)
     return o, vjp((do, jnp.zeros_like(s0)))
 
   text = jax.jit(fwd_bwd).trace(x, x, x, g, s0, rc, x).lower(
