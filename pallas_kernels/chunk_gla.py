@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import gla_calls
 from pallas_kernels import gla_gpu
+from pallas_kernels import gla_gpu_fact
 from pallas_kernels.gla_chunk import SUB
 from pallas_kernels.gla_reference import (add_later_chunks, chunk_reset_counts, default_scale,
                                           gla_recurrent_step, gla_reference)
@@ -26,9 +27,11 @@ __all__ = ["chunk_gla", "gla_recurrent_step", "gla_reference"]
 
 F32 = jnp.float32
 
-# The GPU path: "xla" (gla_gpu: batched products in XLA and the Pallas linear-scan kernel for
-# the chunk recurrence) or "pallas" (the four Triton kernels of gla_calls, kept for comparison).
-GPU_IMPL = os.environ.get("GLA_GPU_IMPL", "xla")
+# The GPU path: "fact" (gla_gpu_fact: four Triton kernels, chunk gates factorised about the
+# midpoint; where its shapes are supported, else "xla"), "xla" (gla_gpu: batched products in
+# XLA and the Pallas linear-scan kernel for the chunk recurrence) or "pallas" (the four Triton
+# kernels of gla_calls, kept for comparison).
+GPU_IMPL = os.environ.get("GLA_GPU_IMPL", "fact")
 
 
 def chunk_gla(q, k, v, log_g, h0=None, *, scale=None, reset=None, chunk_size=64,
@@ -69,12 +72,15 @@ def chunk_gla(q, k, v, log_g, h0=None, *, scale=None, reset=None, chunk_size=64,
 
   c = plan.chunk
   tp = -(-t // c) * c
-  if platform == "gpu" and GPU_IMPL == "xla":
+  if platform == "gpu" and GPU_IMPL in ("fact", "xla"):
     pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2))
     s0 = jnp.zeros((bsz, h, dk, dv), F32) if h0 is None else h0.astype(F32)
     rc = None if reset is None else chunk_reset_counts(pad(reset), c)
-    o, s_last = gla_gpu.gla(scale, c, plan.interpret, gla_gpu.intra_impl(), pad(q),
-                            pad(k.astype(q.dtype)), pad(v.astype(q.dtype)), pad(log_g), s0, rc)
+    args = (pad(q), pad(k.astype(q.dtype)), pad(v.astype(q.dtype)), pad(log_g), s0, rc)
+    if GPU_IMPL == "fact" and gla_gpu_fact.supported(dk, dv, c):
+      o, s_last = gla_gpu_fact.gla(scale, c, plan.interpret, *args)
+    else:
+      o, s_last = gla_gpu.gla(scale, c, plan.interpret, gla_gpu.intra_impl(), *args)
     return o[:, :t], s_last
   # Triton tiles are powers of two (and dots at least 16 wide): pad K and V with zeros, which
   # leave the padded state rows/columns at zero.

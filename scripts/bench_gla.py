@@ -6,9 +6,9 @@
 Runs on a GPU. All inputs bfloat16, K = V = head dim. Times are medians: for JAX, of batches of
 back-to-back calls divided by the batch size (device time, host dispatch overlapped); for
 flash-linear-attention (fla.ops.gla.chunk_gla, if importable), of triton.testing.do_bench's CUDA
-events. `--intra` times chunk_gla's GPU path once per listed variant of its per-chunk part
-(gla_gpu.INTRA: "xla", the default, or "pallas", gla_gpu_intra's Triton kernels; "pallas-wN"
-runs those with N warps, "pallas-kp" with the K-pieces diagonal blocks), one column each;
+events. `--intra` times chunk_gla's GPU path once per listed variant (see _set_intra: "fact",
+the default, gla_gpu_fact's four kernels; "xla", gla_gpu with XLA's per-chunk part; "pallas",
+gla_gpu with gla_gpu_intra's kernels; options for warps, state tiles, diagonal), one column each;
 `--check` checks every variant. A variant that fails (say, to compile) is reported in the
 notes and the run goes on; a misspelt one stops the run before anything is timed. Writes
 DIR/bench_gla.md (a markdown table with ratios) and DIR/bench_gla.json.
@@ -19,15 +19,19 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import gla_gpu
+from pallas_kernels import gla_gpu_fact
 from pallas_kernels import gla_gpu_intra
 from pallas_kernels.chunk_gla import chunk_gla
 from pallas_kernels.gla_reference import gla_reference
+
+chunk_gla_module = sys.modules["pallas_kernels.chunk_gla"]  # the package re-exports the function
 
 SHAPES = [(8, 2048, 16, 64), (4, 4096, 16, 64), (2, 8192, 16, 64), (1, 16384, 16, 64),
           (8, 2048, 8, 128), (2, 8192, 8, 128)]
@@ -104,19 +108,26 @@ def _time_fla(shape, reps):
 
 
 def _set_intra(variant):
-  """"xla" or "pallas[-wN][-kp]" -> gla_gpu.INTRA, gla_gpu_intra.NUM_WARPS (N) and
-  gla_gpu_intra.DIAG ("kpieces" with -kp, else "rows")."""
+  """A variant of chunk_gla's GPU path: "fact[-wN][-sbN]" (gla_gpu_fact, the default: N warps
+  per per-chunk program, N-wide state tiles), "xla" (gla_gpu with XLA's per-chunk part) or
+  "pallas[-wN][-kp]" (gla_gpu with gla_gpu_intra's kernels: N warps, "kpieces" diagonal with -kp)."""
   name, *opts = variant.split("-")
-  gla_gpu.INTRA = name
-  gla_gpu_intra.NUM_WARPS = None
+  if name not in ("fact", "xla", "pallas"):
+    raise ValueError(f"unknown variant {variant!r}: fact, xla or pallas")
+  chunk_gla_module.GPU_IMPL = "fact" if name == "fact" else "xla"
+  gla_gpu.INTRA = "xla" if name == "fact" else name
+  gla_gpu_intra.NUM_WARPS = gla_gpu_fact.NUM_WARPS = None
   gla_gpu_intra.DIAG = "rows"
+  gla_gpu_fact.STATE_BLOCK = 32
   for opt in opts:
     if opt.startswith("w") and opt[1:].isdigit():
-      gla_gpu_intra.NUM_WARPS = int(opt[1:])
-    elif opt == "kp":
+      gla_gpu_intra.NUM_WARPS = gla_gpu_fact.NUM_WARPS = int(opt[1:])
+    elif opt.startswith("sb") and opt[2:].isdigit() and name == "fact":
+      gla_gpu_fact.STATE_BLOCK = int(opt[2:])
+    elif opt == "kp" and name == "pallas":
       gla_gpu_intra.DIAG = "kpieces"
     else:
-      raise ValueError(f"unknown --intra option {opt!r} in {variant!r}")
+      raise ValueError(f"unknown option {opt!r} in {variant!r}")
 
 
 def check(out_lines, intra="xla"):
@@ -151,8 +162,9 @@ def main():
   ap.add_argument("--reps", type=int, default=20)
   ap.add_argument("--check", action="store_true", help="compare with the reference first")
   ap.add_argument("--no_fla", action="store_true")
-  ap.add_argument("--intra", default="xla",
-                  help="comma-separated gla_gpu.INTRA variants to time: xla, pallas")
+  ap.add_argument("--intra", default="fact",
+                  help="comma-separated variants of the GPU path to time: fact[-wN][-sbN], xla, "
+                       "pallas[-wN][-kp]")
   ap.add_argument("--deadline", type=float, default=1e9,
                   help="seconds after which no new measurement starts (the table still gets written)")
   args = ap.parse_args()

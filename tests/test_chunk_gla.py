@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import gla_gpu
+from pallas_kernels import gla_gpu_fact
 from pallas_kernels import gla_gpu_intra
 from pallas_kernels.chunk_gla import chunk_gla
 from pallas_kernels.gla_reference import gla_recurrent_step, gla_reference
@@ -53,6 +54,11 @@ def random_inputs(seed, b, t, h, dk, dv, max_decay=1.0, reset_rate=0.0):
           reset, f32(b, t, h, dv), f32(b, h, dk, dv))
 
 
+def use_gpu_impl(monkeypatch, impl):
+  # (the package exports the function under the module's name, hence sys.modules)
+  monkeypatch.setattr(sys.modules["pallas_kernels.chunk_gla"], "GPU_IMPL", impl)
+
+
 def check_against_recurrence(inputs, with_reset, **kw):
   q, k, v, log_g, h0, reset, do, dh_last = inputs
   scale = q.shape[-1] ** -0.5
@@ -85,8 +91,7 @@ def test_matches_recurrence(platform, shape, chunk):
 
 def test_previous_gpu_kernels_still_match(monkeypatch):
   # chunk_gla.GPU_IMPL = "pallas": the four Triton kernels of gla_calls (kept for comparison).
-  # (the package exports the function under the module's name, hence sys.modules)
-  monkeypatch.setattr(sys.modules["pallas_kernels.chunk_gla"], "GPU_IMPL", "pallas")
+  use_gpu_impl(monkeypatch, "pallas")
   inputs = random_inputs(23, 1, 45, 2, 16, 8, max_decay=20.0)
   check_against_recurrence(inputs, False, platform="gpu", chunk_size=32)
 
@@ -105,6 +110,7 @@ def test_previous_gpu_kernels_still_match(monkeypatch):
     ((2, 50, 2, 16, 16), 16, 1.0, 0.0),
 ])
 def test_pallas_intra_kernels_match_recurrence(monkeypatch, shape, chunk, max_decay, reset_rate):
+  use_gpu_impl(monkeypatch, "xla")
   monkeypatch.setattr(gla_gpu, "INTRA", "pallas")
   inputs = random_inputs(sum(shape) + chunk, *shape, max_decay=max_decay, reset_rate=reset_rate)
   check_against_recurrence(inputs, reset_rate > 0, platform="gpu", chunk_size=chunk)
@@ -112,6 +118,7 @@ def test_pallas_intra_kernels_match_recurrence(monkeypatch, shape, chunk, max_de
 
 def test_pallas_intra_kpieces_diagonal_matches_recurrence(monkeypatch):
   # gla_gpu_intra.DIAG = "kpieces": the forward's diagonal blocks in 16-column pieces of K.
+  use_gpu_impl(monkeypatch, "xla")
   monkeypatch.setattr(gla_gpu, "INTRA", "pallas")
   monkeypatch.setattr(gla_gpu_intra, "DIAG", "kpieces")
   inputs = random_inputs(31, 1, 50, 1, 24, 16, max_decay=20.0, reset_rate=0.08)
@@ -121,6 +128,8 @@ def test_pallas_intra_kpieces_diagonal_matches_recurrence(monkeypatch):
 def test_pallas_intra_kernels_bfloat16_match_xla(monkeypatch):
   q, k, v, log_g, h0, reset, do, _ = random_inputs(29, 1, 64, 2, 16, 16, reset_rate=0.05)
   bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+
+  use_gpu_impl(monkeypatch, "xla")
 
   def grads(intra):
     monkeypatch.setattr(gla_gpu, "INTRA", intra)
@@ -169,6 +178,77 @@ def test_strong_decay_stays_finite_and_exact(platform):
 def test_resets_match_recurrence():
   inputs = random_inputs(3, 2, 50, 2, 16, 12, reset_rate=0.1)
   check_against_recurrence(inputs, True, platform="gpu", chunk_size=16)
+
+
+# gla_gpu_fact (the GPU default where K, V and the chunk are powers of two >= 16): the
+# factorised branch (chunk decay <= LIMIT), the exact branch (LIMIT < 0 forces it; max decay 20
+# per step takes it on its own), both in one call (max decay 3: chunks of 32 straddle the
+# limit), resets, h0, T not a multiple of the chunk, K != V, T = 1, B and H > 1.
+@pytest.mark.parametrize("shape, chunk, max_decay, reset_rate, limit", [
+    ((2, 45, 2, 16, 32), 16, 1.0, 0.0, None),
+    ((1, 100, 2, 32, 16), 32, 3.0, 0.0, None),
+    ((1, 40, 2, 16, 16), 32, 20.0, 0.0, None),
+    ((2, 50, 2, 16, 16), 16, 1.0, 0.1, None),
+    ((1, 70, 1, 32, 32), 64, 1.0, 0.05, -1.0),
+    ((1, 1, 1, 16, 16), 16, 1.0, 0.0, None),
+])
+def test_factorised_kernels_match_recurrence(monkeypatch, shape, chunk, max_decay, reset_rate,
+                                             limit):
+  use_gpu_impl(monkeypatch, "fact")
+  monkeypatch.setattr(gla_gpu, "gla", None)  # would fail if chunk_gla fell back to it
+  if limit is not None:
+    monkeypatch.setattr(gla_gpu_fact, "LIMIT", limit)
+  inputs = random_inputs(sum(shape), *shape, max_decay=max_decay, reset_rate=reset_rate)
+  check_against_recurrence(inputs, reset_rate > 0, platform="gpu", chunk_size=chunk)
+
+
+def test_factorised_branch_alone_overflows_under_strong_decay(monkeypatch):
+  # The exact branch is what keeps e^-20-per-step gates finite: without it they fail.
+  use_gpu_impl(monkeypatch, "fact")
+  monkeypatch.setattr(gla_gpu_fact, "LIMIT", 1e9)
+  with pytest.raises(AssertionError):
+    check_against_recurrence(random_inputs(7, 1, 40, 2, 16, 16, max_decay=20.0), False,
+                             platform="gpu", chunk_size=32)
+
+
+@pytest.mark.parametrize("impl", ["fact", "xla"])
+def test_gpu_paths_bfloat16_accuracy(monkeypatch, impl):
+  # bfloat16 inputs: against the float64 recurrence on the same (rounded) inputs. d log_g, a
+  # reverse cumulative sum of q dq - k dk whose pair terms cancel, has the loosest bound.
+  q, k, v, log_g, h0, reset, do, _ = random_inputs(31, 1, 96, 2, 32, 32, reset_rate=0.03)
+  bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+  rounded = [np.asarray(bf(x), np.float32) for x in (q, k, v)]
+  o_ref, _, grads_ref = recurrence(*rounded, log_g, h0, 32**-0.5, reset, do, 0 * h0)
+  use_gpu_impl(monkeypatch, impl)
+
+  def loss(*a):
+    o = chunk_gla(*a, reset=jnp.asarray(reset), chunk_size=32, platform="gpu")[0]
+    return jnp.sum(o.astype(jnp.float32) * do), o
+
+  grads, o = jax.jit(jax.grad(loss, argnums=range(5), has_aux=True))(bf(q), bf(k), bf(v),
+                                                                    log_g, h0)
+  assert o.dtype == jnp.bfloat16
+  assert rel_err(np.asarray(o, np.float32), o_ref) < 1e-2
+  for name, got, want in zip(("dq", "dk", "dv", "dlog_g", "dh0"), grads, grads_ref):
+    assert rel_err(np.asarray(got, np.float32), want) < (5e-2 if name == "dlog_g" else 1e-2), name
+
+
+@pytest.mark.parametrize("dtype, dh, with_reset", [("bfloat16", 64, True), ("float32", 128, False)])
+def test_factorised_kernels_lower_to_triton(dtype, dh, with_reset):
+  b, t, h, c = 1, 256, 2, 64
+  x = jax.ShapeDtypeStruct((b, t, h, dh), jnp.dtype(dtype))
+  g = jax.ShapeDtypeStruct((b, t, h, dh), jnp.float32)
+  s0 = jax.ShapeDtypeStruct((b, h, dh, dh), jnp.float32)
+  rc = jax.ShapeDtypeStruct((b, t), jnp.float32) if with_reset else None
+
+  def fwd_bwd(q, k, v, log_g, s0, rc, do):
+    gla = lambda *a: gla_gpu_fact.gla(dh**-0.5, c, False, *a, rc)
+    (o, _), vjp = jax.vjp(gla, q, k, v, log_g, s0)
+    return o, vjp((do, jnp.zeros_like(s0)))
+
+  text = jax.jit(fwd_bwd).trace(x, x, x, g, s0, rc, x).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("@__gpu$xla.gpu.triton") == 4  # two state kernels, output, gradients
 
 
 def test_packed_row_equals_separate_documents():

@@ -1,0 +1,362 @@
+"""GLA on the GPU in four Triton (Pallas) kernels, the chunk's gates factorised about its midpoint.
+
+Per chunk of C tokens (b the chunk-local inclusive cumulative sum of log_g, float32; tot = b at
+the chunk's last row, per K column; S_n the state entering chunk n):
+
+    o   = (scale q exp(b)) S_n + A v,          A_tu = scale sum_k q_tk k_uk exp(b_tk - b_uk), u <= t
+    S_n+1 = exp(tot) S_n + (k exp(tot - b))^T v
+
+The intra-chunk attention A is one [C, K] x [K, C] tensor-core product once both sides are
+rescaled about the chunk's midpoint m = tot / 2: q exp(b - m) and k exp(m - b). Every factor is
+then at most exp(R / 2), R = max_k(-tot_k) the chunk's largest total decay; below LIMIT that
+is safely inside float32 and bfloat16 range and the products keep the operands' relative
+precision. The self terms (t = u, the largest, and in d log_g = q dq - k dk the ones that
+cancel exactly) are taken out of the products and added in float32. A chunk whose decay exceeds LIMIT (gates of e^-2 per step and stronger) takes an
+exact branch in the same kernel (`lax.cond` per chunk): A and its gradients in float32 log
+space, one key row at a time, every exponent clamped at 0. Masked (u > t) entries of the fast
+product may overflow; they are removed by a select, never multiplied.
+
+Kernels (no XLA transposes: token arrays are read and written in the caller's [B, T, H, X]
+layout as strided [C, X] tiles, states are [B, H, NT, V, K] i.e. S^T):
+
+- `_states` (forward and backward): one sequential program per (batch row, head, state tile
+  [BV, BK]) walks the chunks, forward for S_n (stored before each update, in the input dtype:
+  the dots' operand dtype) and in reverse for dS (the gradient of the state leaving chunk n:
+  dS_n = exp(tot) dS_n+1 + (scale q exp(b))^T do).
+- `_output`: one program per chunk, o from S_n, q, k, v, g.
+- `_grads`: one program per chunk, dq, dk, dv and the chunk-local reverse cumulative sum of
+  q dq - k dk (d log_g's within-chunk part; XLA adds the later chunks' sums, as in gla_gpu).
+
+b is recomputed from log_g in every kernel (a [C, K] cumulative sum in registers) rather than
+stored. Resets (packed documents) use gla_gpu's masks from the per-chunk reset counts rc: a
+query sees S_n only with count 0, pairs attend only with equal counts, keys reach the chunk end
+only with the chunk's last count (the largest: counts only grow within a chunk), a chunk with a
+document start passes no state on.
+
+Triton needs power-of-two blocks and dots at least 16 wide: `supported` says when this path
+applies (K and V powers of two >= 16, C a power of two >= 16); chunk_gla uses gla_gpu otherwise.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.gla_reference import add_later_chunks
+
+F32 = jnp.float32
+
+# A chunk whose largest total log-decay over K exceeds this takes the exact float32 branch.
+LIMIT = 60.0
+# State tile (rows of V x columns of K) per sequential program, and warps per program of the
+# per-chunk kernels (None: 4 up to 64-wide heads, else 8). Set by measurement (docs/kernels.md).
+STATE_BLOCK = 32
+NUM_WARPS = None
+
+
+def supported(kd: int, vd: int, chunk: int) -> bool:
+  pow2 = lambda n: n >= 16 and n & (n - 1) == 0
+  return pow2(kd) and pow2(vd) and pow2(chunk)
+
+
+def _dot(a, b, contract, dtype):
+  """a . b contracting a's axis contract[0] with b's contract[1]; operands in dtype, f32 acc."""
+  prec = lax.Precision.HIGHEST if dtype == F32 else lax.Precision.DEFAULT
+  return lax.dot_general(a.astype(dtype), b.astype(dtype),
+                         (((contract[0],), (contract[1],)), ((), ())),
+                         precision=prec, preferred_element_type=F32)
+
+
+def _iota(shape, dim):
+  return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def _gates(g_ref, rows=slice(None)):
+  """(b [C, K] cumulative log-gate, tot [1, K] its chunk total), float32."""
+  g = g_ref[rows, :].astype(F32)
+  return jnp.cumsum(g, axis=0), jnp.sum(g, axis=0, keepdims=True)
+
+
+def _row(x, u):
+  """Row u of a [C, X] value as [1, X] (Pallas' Triton lowering has no value slicing)."""
+  return jnp.sum(jnp.where(_iota((x.shape[0], 1), 0) == u, x, 0.0), axis=0, keepdims=True)
+
+
+def _col(x, u):
+  """Column u of a [C, C] value as [C, 1]."""
+  return jnp.sum(jnp.where(_iota((1, x.shape[1]), 1) == u, x, 0.0), axis=1, keepdims=True)
+
+
+def _eye(shape):
+  return _iota(shape, 0) == _iota(shape, 1)
+
+
+def _factorised(tot):
+  return -jnp.min(tot) <= LIMIT
+
+
+def _attention(qs, k, b, tot, keep, dt):
+  """A [C, C] float32 (scale in qs), zero outside keep."""
+  def fast():
+    mid = 0.5 * tot
+    off = _dot(qs * jnp.exp(b - mid), k * jnp.exp(mid - b), (1, 1), dt)
+    return jnp.where(_eye(keep.shape), jnp.sum(qs * k, axis=1, keepdims=True), off)
+
+  def exact():
+    cols = _iota(keep.shape, 1)
+
+    def key_row(u, a):
+      term = qs * _row(k, u) * jnp.exp(jnp.minimum(b - _row(b, u), 0.0))
+      return jnp.where(cols == u, jnp.sum(term, axis=1, keepdims=True), a)
+
+    return lax.fori_loop(0, k.shape[0], key_row, jnp.zeros(keep.shape, F32))
+
+  return jnp.where(keep, lax.cond(_factorised(tot), fast, exact), 0.0)
+
+
+def _attention_grads(da, qs, k, b, tot, dt):
+  """(d qs, dk) [C, K] float32 through A, from da = dL/dA (zero outside keep)."""
+  def fast():
+    mid = 0.5 * tot
+    up, down = jnp.exp(b - mid), jnp.exp(mid - b)
+    eye = _eye(da.shape)
+    da_self = jnp.sum(jnp.where(eye, da, 0.0), axis=1, keepdims=True)  # [C, 1]
+    da_off = jnp.where(eye, 0.0, da)
+    return (up * _dot(da_off, k * down, (1, 0), dt) + da_self * k,
+            down * _dot(da_off, qs * up, (0, 0), dt) + da_self * qs)
+
+  def exact():
+    rows = _iota((k.shape[0], 1), 0)
+
+    def key_row(u, acc):
+      dqs, dk = acc
+      decay = jnp.exp(jnp.minimum(b - _row(b, u), 0.0))           # [C t, K], t's vs key u
+      col = _col(da, u)                                           # [C t, 1]
+      dqs += col * _row(k, u) * decay
+      dk_u = jnp.sum(col * qs * decay, axis=0, keepdims=True)     # [1, K]
+      return dqs, jnp.where(rows == u, dk_u, dk)
+
+    zero = jnp.zeros(qs.shape, F32)
+    return lax.fori_loop(0, k.shape[0], key_row, (zero, zero))
+
+  return lax.cond(_factorised(tot), fast, exact)
+
+
+def _masks(rc_ref, rr_ref, c):
+  """(keep [C, C], query sees S_n [C, 1], key reaches the chunk end [C, 1], chunk passes its
+  state on (scalar)); all-true without resets."""
+  causal = _iota((c, c), 1) <= _iota((c, c), 0)
+  if rc_ref is None:
+    return causal, None, None, None
+  rc = rc_ref[...]                                                  # [C, 1]
+  last = jnp.max(rc)
+  return causal & (rc == rr_ref[...]), rc == 0.0, rc == last, last == 0.0
+
+
+def _masked(x, mask):
+  return x if mask is None else jnp.where(mask, x, 0.0)
+
+
+# --- the sequential state kernels ---------------------------------------------------------
+
+
+def _states_kernel(*refs, c, nt, reverse, scale, has_resets):
+  if has_resets:
+    x_ref, y_ref, g_ref, rc_ref, init_ref, st_ref, last_ref = refs
+  else:
+    x_ref, y_ref, g_ref, init_ref, st_ref, last_ref = refs
+    rc_ref = None
+  dt = x_ref.dtype
+
+  def body(i, st):
+    n = nt - 1 - i if reverse else i
+    rows = pl.ds(pl.multiple_of(n * c, c), c)
+    b, tot = _gates(g_ref, rows)
+    decay = jnp.exp(tot)                                            # [1, BK]
+    if reverse:  # x = q: scale q exp(b), for queries that see the entering state
+      x = x_ref[rows, :].astype(F32) * (scale * jnp.exp(b))
+    else:        # x = k: k exp(tot - b), for keys that reach the chunk end
+      x = x_ref[rows, :].astype(F32) * jnp.exp(tot - b)
+    if rc_ref is not None:
+      rc = rc_ref[rows, :]
+      last = jnp.max(rc)
+      x = jnp.where((rc == 0.0) if reverse else (rc == last), x, 0.0)
+      decay = jnp.where(last == 0.0, decay, 0.0)
+    st_ref[n] = st.astype(st_ref.dtype)
+    return st * decay + _dot(y_ref[rows, :], x, (0, 0), dt)        # [BV, BK]
+
+  last_ref[...] = lax.fori_loop(0, nt, body, init_ref[...])
+
+
+def _states(x, y, g, rc, init, *, c, reverse, scale, interpret):
+  """Per-chunk states [B, H, NT, V, K] (x's dtype) and the final one [B, H, V, K] float32.
+
+  Forward (x = k, y = v, init = S_0^T): entry n is S_n^T, the state entering chunk n.
+  Reverse (x = q, y = do, init = dS^T at the end): entry n is the gradient of the state leaving
+  chunk n; the final one is dS_0^T.
+  """
+  bsz, tp, h, kd = x.shape
+  vd = y.shape[-1]
+  nt = tp // c
+  bv, bk = min(vd, STATE_BLOCK), min(kd, STATE_BLOCK)
+  nk = kd // bk
+  whole = lambda w, col: pl.BlockSpec((None, tp, None, w), lambda i, j, s: (i, 0, j, col(s)))
+  kcol, vcol = (lambda s: s % nk), (lambda s: s // nk)
+  tile = pl.BlockSpec((None, None, bv, bk), lambda i, j, s: (i, j, vcol(s), kcol(s)))
+  in_specs = [whole(bk, kcol), whole(bv, vcol), whole(bk, kcol)]
+  args = [x, y, g]
+  if rc is not None:
+    in_specs.append(pl.BlockSpec((None, tp, 1), lambda i, j, s: (i, 0, 0)))
+    args.append(rc.reshape(bsz, tp, 1))
+  kernel = functools.partial(_states_kernel, c=c, nt=nt, reverse=reverse, scale=scale,
+                             has_resets=rc is not None)
+  return pl.pallas_call(
+      kernel, grid=(bsz, h, (vd // bv) * nk), in_specs=in_specs + [tile],
+      out_specs=[pl.BlockSpec((None, None, nt, bv, bk),
+                              lambda i, j, s: (i, j, 0, vcol(s), kcol(s))), tile],
+      out_shape=[jax.ShapeDtypeStruct((bsz, h, nt, vd, kd), x.dtype),
+                 jax.ShapeDtypeStruct((bsz, h, vd, kd), F32)],
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret)(*args, init)
+
+
+# --- the per-chunk kernels ----------------------------------------------------------------
+
+
+def _chunk_specs(x, c, rc):
+  """Block specs of a [B, Tp, H, X] token array's chunk tile, and of the reset counts."""
+  tile = lambda w: pl.BlockSpec((None, c, None, w), lambda i, j, n: (i, n, j, 0))
+  resets = []
+  if rc is not None:
+    resets = [pl.BlockSpec((None, c, 1), lambda i, j, n: (i, n, 0)),
+              pl.BlockSpec((None, None, 1, c), lambda i, j, n: (i, n, 0, 0))]
+  return tile, resets
+
+
+def _state_spec(st):
+  vd, kd = st.shape[-2:]
+  return pl.BlockSpec((None, None, None, vd, kd), lambda i, j, n: (i, j, n, 0, 0))
+
+
+def _reset_args(rc, c):
+  if rc is None:
+    return []
+  bsz, tp = rc.shape
+  return [rc.reshape(bsz, tp, 1), rc.reshape(bsz, tp // c, 1, c)]
+
+
+def _warps(width):
+  return NUM_WARPS or (4 if width <= 64 else 8)
+
+
+def _output_kernel(*refs, scale, c, has_resets):
+  q_ref, k_ref, v_ref, g_ref, st_ref = refs[:5]
+  rc_ref, rr_ref = refs[5:7] if has_resets else (None, None)
+  o_ref = refs[-1]
+  dt = q_ref.dtype
+  keep, sees_state, _, _ = _masks(rc_ref, rr_ref, c)
+  qs = q_ref[...].astype(F32) * scale
+  b, tot = _gates(g_ref)
+  a = _attention(qs, k_ref[...].astype(F32), b, tot, keep, dt)
+  o = (_dot(_masked(qs * jnp.exp(b), sees_state), st_ref[...], (1, 1), dt)
+       + _dot(a.astype(dt), v_ref[...], (1, 0), dt))
+  o_ref[...] = o.astype(o_ref.dtype)
+
+
+def _output(q, k, v, g, rc, st, *, scale, c, interpret):
+  bsz, tp, h, kd = q.shape
+  vd = v.shape[-1]
+  tile, resets = _chunk_specs(q, c, rc)
+  kernel = functools.partial(_output_kernel, scale=scale, c=c, has_resets=rc is not None)
+  return pl.pallas_call(
+      kernel, grid=(bsz, h, tp // c),
+      in_specs=[tile(kd), tile(kd), tile(vd), tile(kd), _state_spec(st), *resets],
+      out_specs=tile(vd), out_shape=jax.ShapeDtypeStruct((bsz, tp, h, vd), q.dtype),
+      compiler_params=plgpu.CompilerParams(num_warps=_warps(max(kd, vd)), num_stages=1),
+      interpret=interpret)(q, k, v, g, st, *_reset_args(rc, c))
+
+
+def _grads_kernel(*refs, scale, c, has_resets):
+  q_ref, k_ref, v_ref, g_ref, do_ref, st_ref, dst_ref = refs[:7]
+  rc_ref, rr_ref = refs[7:9] if has_resets else (None, None)
+  dq_ref, dk_ref, dv_ref, within_ref = refs[-4:]
+  dt = q_ref.dtype
+  keep, sees_state, reaches_end, _ = _masks(rc_ref, rr_ref, c)
+  q = q_ref[...].astype(F32)
+  k = k_ref[...].astype(F32)
+  v, do = v_ref[...], do_ref[...]
+  st, dst = st_ref[...], dst_ref[...]                               # [V, K]: S_n^T, dS_n+1^T
+  qs = q * scale
+  b, tot = _gates(g_ref)
+  q_in = _masked(jnp.exp(b), sees_state)
+  k_out = _masked(jnp.exp(tot - b), reaches_end)
+  a = _attention(qs, k, b, tot, keep, dt)
+  da = jnp.where(keep, _dot(do, v, (1, 1), dt), 0.0)                # [C t, C u]
+  dv = _dot(a.astype(dt), do, (0, 0), dt) + _dot(k * k_out, dst, (1, 1), dt)
+  dqs, dk = _attention_grads(da, qs, k, b, tot, dt)
+  dqs += q_in * _dot(do, st, (1, 0), dt)
+  dk += k_out * _dot(v, dst, (1, 0), dt)
+  dq = dqs * scale
+  x = q * dq - k * dk                                               # dL/d(b) per token
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+  # Reverse cumulative sum within the chunk (the lowering has only the forward one).
+  within_ref[...] = jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x
+
+
+def _grads(q, k, v, g, do, rc, st, dst, *, scale, c, interpret):
+  bsz, tp, h, kd = q.shape
+  vd = v.shape[-1]
+  tile, resets = _chunk_specs(q, c, rc)
+  kernel = functools.partial(_grads_kernel, scale=scale, c=c, has_resets=rc is not None)
+  return pl.pallas_call(
+      kernel, grid=(bsz, h, tp // c),
+      in_specs=[tile(kd), tile(kd), tile(vd), tile(kd), tile(vd), _state_spec(st),
+                _state_spec(dst), *resets],
+      out_specs=[tile(kd), tile(kd), tile(vd), tile(kd)],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(q.shape, F32)],
+      compiler_params=plgpu.CompilerParams(num_warps=_warps(max(kd, vd)), num_stages=1),
+      interpret=interpret)(q, k, v, g, do, st, dst, *_reset_args(rc, c))
+
+
+# --- the function -------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def gla(scale, c, interpret, q, k, v, g, s0, rc):
+  """o [B, Tp, H, V] (q's dtype), h_last [B, H, K, V] float32; Tp a multiple of c.
+
+  q, k, g: [B, Tp, H, K]; v: [B, Tp, H, V] (k, v in q's dtype); s0 [B, H, K, V] float32; rc
+  [B, Tp] float32 reset counts (gla_reference.chunk_reset_counts) or None.
+  """
+  return _fwd(scale, c, interpret, q, k, v, g, s0, rc)[0]
+
+
+def _fwd(scale, c, interpret, q, k, v, g, s0, rc):
+  kw = dict(c=c, scale=scale, interpret=interpret)
+  st, last = _states(k, v, g, rc, jnp.swapaxes(s0, -1, -2), reverse=False, **kw)
+  o = _output(q, k, v, g, rc, st, **kw)
+  s_last = jnp.swapaxes(last, -1, -2)
+  return (o, s_last), (q, k, v, g, s0, rc, st, s_last)
+
+
+def _bwd(scale, c, interpret, res, cts):
+  q, k, v, g, s0, rc, st, s_last = res
+  do, ds_last = cts
+  kw = dict(c=c, scale=scale, interpret=interpret)
+  do = do.astype(q.dtype)
+  ds_last = ds_last.astype(F32)
+  dst, ds0 = _states(q, do, g, rc, jnp.swapaxes(ds_last, -1, -2), reverse=True, **kw)
+  dq, dk, dv, within = _grads(q, k, v, g, do, rc, st, dst, **kw)
+  bsz, tp, h, kd = within.shape
+  dlog_g = (add_later_chunks(within.reshape(bsz, tp // c, c, h, kd), 1).reshape(within.shape)
+            + jnp.sum(ds_last * s_last, axis=-1)[:, None])
+  return (dq, dk, dv, dlog_g.astype(g.dtype), jnp.swapaxes(ds0, -1, -2).astype(s0.dtype), None)
+
+
+gla.defvjp(_fwd, _bwd)
