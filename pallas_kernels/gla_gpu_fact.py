@@ -55,6 +55,13 @@ LIMIT = 60.0
 # per-chunk kernels (None: 4 up to 64-wide heads, else 8). Set by measurement (docs/kernels.md).
 STATE_BLOCK = 32
 NUM_WARPS = None
+# The sequential kernels' loop: tiles of chunk n + 1 loaded before chunk n's arithmetic
+# (STATE_PREFETCH), and Triton's own software pipelining (num_stages).
+STATE_PREFETCH = False
+STATE_STAGES = 1
+# Column block of the per-chunk kernels: V for o and dv, K for dq and dk (wider heads get more
+# programs per chunk, each recomputing the chunk attention it needs).
+SPLIT = 64
 
 
 def supported(kd: int, vd: int, chunk: int) -> bool:
@@ -118,15 +125,25 @@ def _attention(qs, k, b, tot, keep, dt):
 
 
 def _attention_grads(da, qs, k, b, tot, dt):
-  """(d qs, dk) [C, K] float32 through A, from da = dL/dA (zero outside keep)."""
+  """(d qs, dk, x) [C, K] float32 through A, from da = dL/dA (zero outside keep); x is these
+  terms' part of q dq - k dk (d log_g's summand).
+
+  In the factorised branch x is formed from the same rounded operands as the products,
+  Qf (da Kf) - Kf (da^T Qf): each pair (t, u) then enters at t and leaves at u as the same
+  float32 numbers, so d log_g's reverse cumulative sum cancels it (q dq - k dk from the
+  rounded gradients would not, and the mismatch would add up along the sequence).
+  """
   def fast():
     mid = 0.5 * tot
     up, down = jnp.exp(b - mid), jnp.exp(mid - b)
     eye = _eye(da.shape)
     da_self = jnp.sum(jnp.where(eye, da, 0.0), axis=1, keepdims=True)  # [C, 1]
     da_off = jnp.where(eye, 0.0, da)
-    return (up * _dot(da_off, k * down, (1, 0), dt) + da_self * k,
-            down * _dot(da_off, qs * up, (0, 0), dt) + da_self * qs)
+    q_f = (qs * up).astype(dt).astype(F32)
+    k_f = (k * down).astype(dt).astype(F32)
+    to_q, to_k = _dot(da_off, k_f, (1, 0), dt), _dot(da_off, q_f, (0, 0), dt)
+    # The self terms (t = u) add da_tt q_t k_t to both q dq and k dk: nothing to x.
+    return up * to_q + da_self * k, down * to_k + da_self * qs, q_f * to_q - k_f * to_k
 
   def exact():
     rows = _iota((k.shape[0], 1), 0)
@@ -140,7 +157,8 @@ def _attention_grads(da, qs, k, b, tot, dt):
       return dqs, jnp.where(rows == u, dk_u, dk)
 
     zero = jnp.zeros(qs.shape, F32)
-    return lax.fori_loop(0, k.shape[0], key_row, (zero, zero))
+    dqs, dk = lax.fori_loop(0, k.shape[0], key_row, (zero, zero))
+    return dqs, dk, qs * dqs - k * dk
 
   return lax.cond(_factorised(tot), fast, exact)
 
@@ -163,32 +181,45 @@ def _masked(x, mask):
 # --- the sequential state kernels ---------------------------------------------------------
 
 
-def _states_kernel(*refs, c, nt, reverse, scale, has_resets):
+def _states_kernel(*refs, c, nt, reverse, scale, has_resets, prefetch):
   if has_resets:
     x_ref, y_ref, g_ref, rc_ref, init_ref, st_ref, last_ref = refs
   else:
     x_ref, y_ref, g_ref, init_ref, st_ref, last_ref = refs
     rc_ref = None
   dt = x_ref.dtype
+  chunk_of = lambda i: nt - 1 - i if reverse else i
 
-  def body(i, st):
-    n = nt - 1 - i if reverse else i
-    rows = pl.ds(pl.multiple_of(n * c, c), c)
-    b, tot = _gates(g_ref, rows)
+  def load(i):
+    rows = pl.ds(pl.multiple_of(chunk_of(jnp.minimum(i, nt - 1)) * c, c), c)
+    return (x_ref[rows, :], y_ref[rows, :], g_ref[rows, :],
+            None if rc_ref is None else rc_ref[rows, :])
+
+  def update(st, n, tiles):
+    x, y, g, rc = tiles
+    g = g.astype(F32)
+    b, tot = jnp.cumsum(g, axis=0), jnp.sum(g, axis=0, keepdims=True)
     decay = jnp.exp(tot)                                            # [1, BK]
     if reverse:  # x = q: scale q exp(b), for queries that see the entering state
-      x = x_ref[rows, :].astype(F32) * (scale * jnp.exp(b))
+      x = x.astype(F32) * (scale * jnp.exp(b))
     else:        # x = k: k exp(tot - b), for keys that reach the chunk end
-      x = x_ref[rows, :].astype(F32) * jnp.exp(tot - b)
-    if rc_ref is not None:
-      rc = rc_ref[rows, :]
+      x = x.astype(F32) * jnp.exp(tot - b)
+    if rc is not None:
       last = jnp.max(rc)
       x = jnp.where((rc == 0.0) if reverse else (rc == last), x, 0.0)
       decay = jnp.where(last == 0.0, decay, 0.0)
     st_ref[n] = st.astype(st_ref.dtype)
-    return st * decay + _dot(y_ref[rows, :], x, (0, 0), dt)        # [BV, BK]
+    return st * decay + _dot(y, x, (0, 0), dt)                      # [BV, BK]
 
-  last_ref[...] = lax.fori_loop(0, nt, body, init_ref[...])
+  if prefetch:  # the next chunk's tiles are loaded before this chunk's arithmetic
+    def body(i, carry):
+      st, tiles = carry
+      nxt = load(i + 1)
+      return update(st, chunk_of(i), tiles), nxt
+    last, _ = lax.fori_loop(0, nt, body, (init_ref[...], load(0)))
+  else:
+    last = lax.fori_loop(0, nt, lambda i, st: update(st, chunk_of(i), load(i)), init_ref[...])
+  last_ref[...] = last
 
 
 def _states(x, y, g, rc, init, *, c, reverse, scale, interpret):
@@ -212,50 +243,72 @@ def _states(x, y, g, rc, init, *, c, reverse, scale, interpret):
     in_specs.append(pl.BlockSpec((None, tp, 1), lambda i, j, s: (i, 0, 0)))
     args.append(rc.reshape(bsz, tp, 1))
   kernel = functools.partial(_states_kernel, c=c, nt=nt, reverse=reverse, scale=scale,
-                             has_resets=rc is not None)
+                             has_resets=rc is not None, prefetch=STATE_PREFETCH)
   return pl.pallas_call(
       kernel, grid=(bsz, h, (vd // bv) * nk), in_specs=in_specs + [tile],
       out_specs=[pl.BlockSpec((None, None, nt, bv, bk),
                               lambda i, j, s: (i, j, 0, vcol(s), kcol(s))), tile],
       out_shape=[jax.ShapeDtypeStruct((bsz, h, nt, vd, kd), x.dtype),
                  jax.ShapeDtypeStruct((bsz, h, vd, kd), F32)],
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=STATE_STAGES),
       interpret=interpret)(*args, init)
 
 
 # --- the per-chunk kernels ----------------------------------------------------------------
 
 
-def _chunk_specs(x, c, rc):
-  """Block specs of a [B, Tp, H, X] token array's chunk tile, and of the reset counts."""
-  tile = lambda w: pl.BlockSpec((None, c, None, w), lambda i, j, n: (i, n, j, 0))
-  resets = []
-  if rc is not None:
-    resets = [pl.BlockSpec((None, c, 1), lambda i, j, n: (i, n, 0)),
-              pl.BlockSpec((None, None, 1, c), lambda i, j, n: (i, n, 0, 0))]
-  return tile, resets
+class _Specs:
+  """Block specs of the per-chunk kernels, grid (B, H, NT, column block s): a [B, Tp, H, X]
+  token array's [C, w] tile (whole, or the s-th w-wide block of X), a [B, H, NT, V, K] state's
+  tile, and the reset counts."""
+
+  def __init__(self, c, rc):
+    self.c, self.rc = c, rc
+
+  def tok(self, w, blocked=False):
+    return pl.BlockSpec((None, self.c, None, w),
+                        lambda i, j, n, s: (i, n, j, s if blocked else 0))
+
+  def state(self, rows, cols, blocked_rows=False, blocked_cols=False):
+    return pl.BlockSpec((None, None, None, rows, cols),
+                        lambda i, j, n, s: (i, j, n, s if blocked_rows else 0,
+                                            s if blocked_cols else 0))
+
+  def resets(self):
+    if self.rc is None:
+      return []
+    return [pl.BlockSpec((None, self.c, 1), lambda i, j, n, s: (i, n, 0)),
+            pl.BlockSpec((None, None, 1, self.c), lambda i, j, n, s: (i, n, 0, 0))]
+
+  def reset_args(self):
+    if self.rc is None:
+      return []
+    bsz, tp = self.rc.shape
+    return [self.rc.reshape(bsz, tp, 1), self.rc.reshape(bsz, tp // self.c, 1, self.c)]
 
 
-def _state_spec(st):
-  vd, kd = st.shape[-2:]
-  return pl.BlockSpec((None, None, None, vd, kd), lambda i, j, n: (i, j, n, 0, 0))
-
-
-def _reset_args(rc, c):
-  if rc is None:
-    return []
-  bsz, tp = rc.shape
-  return [rc.reshape(bsz, tp, 1), rc.reshape(bsz, tp // c, 1, c)]
+def _call(kernel, specs, grid, in_specs, out_specs, out_shape, width, interpret, *args, **kw):
+  kernel = functools.partial(kernel, c=specs.c, has_resets=specs.rc is not None, **kw)
+  return pl.pallas_call(
+      kernel, grid=grid, in_specs=in_specs + specs.resets(), out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=plgpu.CompilerParams(num_warps=_warps(width), num_stages=1),
+      interpret=interpret)(*args, *specs.reset_args())
 
 
 def _warps(width):
   return NUM_WARPS or (4 if width <= 64 else 8)
 
 
+def _split_refs(refs, n_in, has_resets):
+  ins = refs[:n_in]
+  resets = refs[n_in:n_in + 2] if has_resets else (None, None)
+  return ins, resets, refs[n_in + (2 if has_resets else 0):]
+
+
 def _output_kernel(*refs, scale, c, has_resets):
-  q_ref, k_ref, v_ref, g_ref, st_ref = refs[:5]
-  rc_ref, rr_ref = refs[5:7] if has_resets else (None, None)
-  o_ref = refs[-1]
+  (q_ref, k_ref, v_ref, g_ref, st_ref), (rc_ref, rr_ref), (o_ref,) = _split_refs(
+      refs, 5, has_resets)
   dt = q_ref.dtype
   keep, sees_state, _, _ = _masks(rc_ref, rr_ref, c)
   qs = q_ref[...].astype(F32) * scale
@@ -267,61 +320,75 @@ def _output_kernel(*refs, scale, c, has_resets):
 
 
 def _output(q, k, v, g, rc, st, *, scale, c, interpret):
+  """o, one program per (chunk, block of V columns): A is recomputed per block."""
   bsz, tp, h, kd = q.shape
   vd = v.shape[-1]
-  tile, resets = _chunk_specs(q, c, rc)
-  kernel = functools.partial(_output_kernel, scale=scale, c=c, has_resets=rc is not None)
-  return pl.pallas_call(
-      kernel, grid=(bsz, h, tp // c),
-      in_specs=[tile(kd), tile(kd), tile(vd), tile(kd), _state_spec(st), *resets],
-      out_specs=tile(vd), out_shape=jax.ShapeDtypeStruct((bsz, tp, h, vd), q.dtype),
-      compiler_params=plgpu.CompilerParams(num_warps=_warps(max(kd, vd)), num_stages=1),
-      interpret=interpret)(q, k, v, g, st, *_reset_args(rc, c))
+  bv = min(vd, SPLIT)
+  sp = _Specs(c, rc)
+  return _call(_output_kernel, sp, (bsz, h, tp // c, vd // bv),
+               [sp.tok(kd), sp.tok(kd), sp.tok(bv, True), sp.tok(kd), sp.state(bv, kd, True)],
+               sp.tok(bv, True), jax.ShapeDtypeStruct((bsz, tp, h, vd), q.dtype),
+               max(kd, bv), interpret, q, k, v, g, st, scale=scale)
 
 
-def _grads_kernel(*refs, scale, c, has_resets):
-  q_ref, k_ref, v_ref, g_ref, do_ref, st_ref, dst_ref = refs[:7]
-  rc_ref, rr_ref = refs[7:9] if has_resets else (None, None)
-  dq_ref, dk_ref, dv_ref, within_ref = refs[-4:]
+def _dv_kernel(*refs, scale, c, has_resets):
+  (q_ref, k_ref, g_ref, do_ref, dst_ref), (rc_ref, rr_ref), (dv_ref,) = _split_refs(
+      refs, 5, has_resets)
+  dt = q_ref.dtype
+  keep, _, reaches_end, _ = _masks(rc_ref, rr_ref, c)
+  k = k_ref[...].astype(F32)
+  b, tot = _gates(g_ref)
+  a = _attention(q_ref[...].astype(F32) * scale, k, b, tot, keep, dt)
+  k_out = _masked(jnp.exp(tot - b), reaches_end)
+  dv = _dot(a.astype(dt), do_ref[...], (0, 0), dt) + _dot(k * k_out, dst_ref[...], (1, 1), dt)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dqk_kernel(*refs, scale, c, has_resets):
+  (q_ref, k_ref, v_ref, g_ref, do_ref, st_ref, dst_ref), (rc_ref, rr_ref), (
+      dq_ref, dk_ref, within_ref) = _split_refs(refs, 7, has_resets)
   dt = q_ref.dtype
   keep, sees_state, reaches_end, _ = _masks(rc_ref, rr_ref, c)
   q = q_ref[...].astype(F32)
   k = k_ref[...].astype(F32)
   v, do = v_ref[...], do_ref[...]
-  st, dst = st_ref[...], dst_ref[...]                               # [V, K]: S_n^T, dS_n+1^T
   qs = q * scale
   b, tot = _gates(g_ref)
-  q_in = _masked(jnp.exp(b), sees_state)
-  k_out = _masked(jnp.exp(tot - b), reaches_end)
-  a = _attention(qs, k, b, tot, keep, dt)
   da = jnp.where(keep, _dot(do, v, (1, 1), dt), 0.0)                # [C t, C u]
-  dv = _dot(a.astype(dt), do, (0, 0), dt) + _dot(k * k_out, dst, (1, 1), dt)
-  dqs, dk = _attention_grads(da, qs, k, b, tot, dt)
-  dqs += q_in * _dot(do, st, (1, 0), dt)
-  dk += k_out * _dot(v, dst, (1, 0), dt)
-  dq = dqs * scale
-  x = q * dq - k * dk                                               # dL/d(b) per token
+  dqs, dk, x = _attention_grads(da, qs, k, b, tot, dt)
+  dqs_in = _masked(jnp.exp(b), sees_state) * _dot(do, st_ref[...], (1, 0), dt)
+  dk_out = _masked(jnp.exp(tot - b), reaches_end) * _dot(v, dst_ref[...], (1, 0), dt)
+  dq = (dqs + dqs_in) * scale
+  dk += dk_out
+  x += qs * dqs_in - k * dk_out                                     # q dq - k dk: dL/d(b)
   dq_ref[...] = dq.astype(dq_ref.dtype)
   dk_ref[...] = dk.astype(dk_ref.dtype)
-  dv_ref[...] = dv.astype(dv_ref.dtype)
   # Reverse cumulative sum within the chunk (the lowering has only the forward one).
   within_ref[...] = jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x
 
 
 def _grads(q, k, v, g, do, rc, st, dst, *, scale, c, interpret):
+  """(dq, dk, dv, within-chunk reverse sums of q dq - k dk): two kernels, dv per (chunk, block
+  of V columns) and the rest per (chunk, block of K columns); each recomputes what it needs.
+  (st, dst: [B, H, NT, V, K], S_n^T and the gradient of the leaving state, transposed.)"""
   bsz, tp, h, kd = q.shape
   vd = v.shape[-1]
-  tile, resets = _chunk_specs(q, c, rc)
-  kernel = functools.partial(_grads_kernel, scale=scale, c=c, has_resets=rc is not None)
-  return pl.pallas_call(
-      kernel, grid=(bsz, h, tp // c),
-      in_specs=[tile(kd), tile(kd), tile(vd), tile(kd), tile(vd), _state_spec(st),
-                _state_spec(dst), *resets],
-      out_specs=[tile(kd), tile(kd), tile(vd), tile(kd)],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(q.shape, F32)],
-      compiler_params=plgpu.CompilerParams(num_warps=_warps(max(kd, vd)), num_stages=1),
-      interpret=interpret)(q, k, v, g, do, st, dst, *_reset_args(rc, c))
+  bv, bk = min(vd, SPLIT), min(kd, SPLIT)
+  sp = _Specs(c, rc)
+  nt = tp // c
+  dv = _call(_dv_kernel, sp, (bsz, h, nt, vd // bv),
+             [sp.tok(kd), sp.tok(kd), sp.tok(kd), sp.tok(bv, True), sp.state(bv, kd, True)],
+             sp.tok(bv, True), jax.ShapeDtypeStruct(v.shape, v.dtype), max(kd, bv),
+             interpret, q, k, g, do, dst, scale=scale)
+  dq, dk, within = _call(
+      _dqk_kernel, sp, (bsz, h, nt, kd // bk),
+      [sp.tok(bk, True), sp.tok(bk, True), sp.tok(vd), sp.tok(bk, True), sp.tok(vd),
+       sp.state(vd, bk, blocked_cols=True), sp.state(vd, bk, blocked_cols=True)],
+      [sp.tok(bk, True)] * 3,
+      [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+       jax.ShapeDtypeStruct(q.shape, F32)], max(bk, vd), interpret,
+      q, k, v, g, do, st, dst, scale=scale)
+  return dq, dk, dv, within
 
 
 # --- the function -------------------------------------------------------------------------

@@ -108,8 +108,9 @@ def _time_fla(shape, reps):
 
 
 def _set_intra(variant):
-  """A variant of chunk_gla's GPU path: "fact[-wN][-sbN]" (gla_gpu_fact, the default: N warps
-  per per-chunk program, N-wide state tiles), "xla" (gla_gpu with XLA's per-chunk part) or
+  """A variant of chunk_gla's GPU path: "fact[-wN][-sbN][-stN][-pf]" (gla_gpu_fact, the
+  default: N warps per per-chunk program, N-wide state tiles, N pipeline stages in the state
+  kernels, their next tiles prefetched), "xla" (gla_gpu with XLA's per-chunk part) or
   "pallas[-wN][-kp]" (gla_gpu with gla_gpu_intra's kernels: N warps, "kpieces" diagonal with -kp)."""
   name, *opts = variant.split("-")
   if name not in ("fact", "xla", "pallas"):
@@ -119,11 +120,17 @@ def _set_intra(variant):
   gla_gpu_intra.NUM_WARPS = gla_gpu_fact.NUM_WARPS = None
   gla_gpu_intra.DIAG = "rows"
   gla_gpu_fact.STATE_BLOCK = 32
+  gla_gpu_fact.STATE_PREFETCH = False
+  gla_gpu_fact.STATE_STAGES = 1
   for opt in opts:
     if opt.startswith("w") and opt[1:].isdigit():
       gla_gpu_intra.NUM_WARPS = gla_gpu_fact.NUM_WARPS = int(opt[1:])
     elif opt.startswith("sb") and opt[2:].isdigit() and name == "fact":
       gla_gpu_fact.STATE_BLOCK = int(opt[2:])
+    elif opt.startswith("st") and opt[2:].isdigit() and name == "fact":
+      gla_gpu_fact.STATE_STAGES = int(opt[2:])
+    elif opt == "pf" and name == "fact":
+      gla_gpu_fact.STATE_PREFETCH = True
     elif opt == "kp" and name == "pallas":
       gla_gpu_intra.DIAG = "kpieces"
     else:

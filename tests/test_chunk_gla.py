@@ -183,19 +183,26 @@ def test_resets_match_recurrence():
 # gla_gpu_fact (the GPU default where K, V and the chunk are powers of two >= 16): the
 # factorised branch (chunk decay <= LIMIT), the exact branch (LIMIT < 0 forces it; max decay 20
 # per step takes it on its own), both in one call (max decay 3: chunks of 32 straddle the
-# limit), resets, h0, T not a multiple of the chunk, K != V, T = 1, B and H > 1.
-@pytest.mark.parametrize("shape, chunk, max_decay, reset_rate, limit", [
-    ((2, 45, 2, 16, 32), 16, 1.0, 0.0, None),
-    ((1, 100, 2, 32, 16), 32, 3.0, 0.0, None),
-    ((1, 40, 2, 16, 16), 32, 20.0, 0.0, None),
-    ((2, 50, 2, 16, 16), 16, 1.0, 0.1, None),
-    ((1, 70, 1, 32, 32), 64, 1.0, 0.05, -1.0),
-    ((1, 1, 1, 16, 16), 16, 1.0, 0.0, None),
+# limit), resets, h0, T not a multiple of the chunk, K != V, T = 1, B and H > 1; column blocks
+# of 16 (SPLIT) over K and V wider than that, with resets; the state kernels with prefetching.
+@pytest.mark.parametrize("shape, chunk, max_decay, reset_rate, limit, split", [
+    ((2, 45, 2, 16, 32), 16, 1.0, 0.0, None, 64),
+    ((1, 100, 2, 32, 16), 32, 3.0, 0.0, None, 64),
+    ((1, 40, 2, 16, 16), 32, 20.0, 0.0, None, 64),
+    ((2, 50, 2, 16, 16), 16, 1.0, 0.1, None, 64),
+    ((1, 70, 1, 32, 32), 64, 1.0, 0.05, -1.0, 64),
+    ((1, 1, 1, 16, 16), 16, 1.0, 0.0, None, 64),
+    ((1, 60, 2, 32, 64), 32, 1.0, 0.05, None, 16),
+    ((2, 100, 1, 16, 32), 16, 1.0, 0.05, None, "prefetch"),
 ])
 def test_factorised_kernels_match_recurrence(monkeypatch, shape, chunk, max_decay, reset_rate,
-                                             limit):
+                                             limit, split):
   use_gpu_impl(monkeypatch, "fact")
   monkeypatch.setattr(gla_gpu, "gla", None)  # would fail if chunk_gla fell back to it
+  if split == "prefetch":  # the state kernels' loop with the next chunk's tiles loaded ahead
+    monkeypatch.setattr(gla_gpu_fact, "STATE_PREFETCH", True)
+  else:
+    monkeypatch.setattr(gla_gpu_fact, "SPLIT", split)
   if limit is not None:
     monkeypatch.setattr(gla_gpu_fact, "LIMIT", limit)
   inputs = random_inputs(sum(shape), *shape, max_decay=max_decay, reset_rate=reset_rate)
@@ -213,8 +220,9 @@ def test_factorised_branch_alone_overflows_under_strong_decay(monkeypatch):
 
 @pytest.mark.parametrize("impl", ["fact", "xla"])
 def test_gpu_paths_bfloat16_accuracy(monkeypatch, impl):
-  # bfloat16 inputs: against the float64 recurrence on the same (rounded) inputs. d log_g, a
-  # reverse cumulative sum of q dq - k dk whose pair terms cancel, has the loosest bound.
+  # bfloat16 inputs: against the float64 recurrence on the same (rounded) inputs. d log_g is a
+  # reverse cumulative sum of q dq - k dk whose pair terms must cancel: gla_gpu_fact forms them
+  # from the same rounded operands (from q dq - k dk it was 1.3e-2 here, now 3.9e-3).
   q, k, v, log_g, h0, reset, do, _ = random_inputs(31, 1, 96, 2, 32, 32, reset_rate=0.03)
   bf = lambda x: jnp.asarray(x, jnp.bfloat16)
   rounded = [np.asarray(bf(x), np.float32) for x in (q, k, v)]
@@ -230,7 +238,7 @@ def test_gpu_paths_bfloat16_accuracy(monkeypatch, impl):
   assert o.dtype == jnp.bfloat16
   assert rel_err(np.asarray(o, np.float32), o_ref) < 1e-2
   for name, got, want in zip(("dq", "dk", "dv", "dlog_g", "dh0"), grads, grads_ref):
-    assert rel_err(np.asarray(got, np.float32), want) < (5e-2 if name == "dlog_g" else 1e-2), name
+    assert rel_err(np.asarray(got, np.float32), want) < 1e-2, name
 
 
 @pytest.mark.parametrize("dtype, dh, with_reset", [("bfloat16", 64, True), ("float32", 128, False)])
@@ -248,7 +256,7 @@ def test_factorised_kernels_lower_to_triton(dtype, dh, with_reset):
 
   text = jax.jit(fwd_bwd).trace(x, x, x, g, s0, rc, x).lower(
       lowering_platforms=("cuda",)).as_text()
-  assert text.count("@__gpu$xla.gpu.triton") == 4  # two state kernels, output, gradients
+  assert text.count("@__gpu$xla.gpu.triton") == 5  # two state kernels, output, dv, dq and dk
 
 
 def test_packed_row_equals_separate_documents():
