@@ -55,10 +55,10 @@ LIMIT = 60.0
 # per-chunk kernels (None: 4 up to 64-wide heads, else 8). Set by measurement (docs/kernels.md).
 STATE_BLOCK = 32
 NUM_WARPS = None
-# The sequential kernels' loop: tiles of chunk n + 1 loaded before chunk n's arithmetic
-# (STATE_PREFETCH), and Triton's own software pipelining (num_stages).
+# The sequential kernels' loop: Triton's own software pipelining (num_stages; 3 measured best,
+# docs/kernels.md) or tiles of chunk n + 1 loaded by hand before chunk n's arithmetic.
+STATE_STAGES = 3
 STATE_PREFETCH = False
-STATE_STAGES = 1
 # Column block of the per-chunk kernels: V for o and dv, K for dq and dk (wider heads get more
 # programs per chunk, each recomputing the chunk attention it needs).
 SPLIT = 64

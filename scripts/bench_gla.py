@@ -121,7 +121,7 @@ def _set_intra(variant):
   gla_gpu_intra.DIAG = "rows"
   gla_gpu_fact.STATE_BLOCK = 32
   gla_gpu_fact.STATE_PREFETCH = False
-  gla_gpu_fact.STATE_STAGES = 1
+  gla_gpu_fact.STATE_STAGES = 3
   for opt in opts:
     if opt.startswith("w") and opt[1:].isdigit():
       gla_gpu_intra.NUM_WARPS = gla_gpu_fact.NUM_WARPS = int(opt[1:])

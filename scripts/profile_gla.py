@@ -1,6 +1,7 @@
 """Where the GPU time of chunk_gla forward + backward goes, from a jax.profiler trace.
 
     python scripts/profile_gla.py --shape 2,8192,16,64 [--iters 3] [--top 25] [--fwd_only]
+        [--variant fact]
 
 Profiles ``--iters`` calls on bench_gla's inputs (bfloat16, K = V = Dh) and prints
 ``profile_summary.summarize``'s tables per call: time by kind of kernel and the top kernels.
@@ -27,7 +28,9 @@ def main():
   ap.add_argument("--top", type=int, default=25)
   ap.add_argument("--iters", type=int, default=3)
   ap.add_argument("--fwd_only", action="store_true")
+  ap.add_argument("--variant", default="fact", help="bench_gla's --intra variants: fact, xla, ...")
   args = ap.parse_args()
+  bench_gla._set_intra(args.variant)  # pylint: disable=protected-access
   q, k, v, g, do = bench_gla._inputs(tuple(map(int, args.shape.split(","))))  # pylint: disable=protected-access
   if args.fwd_only:
     fn, xs = jax.jit(lambda q, k, v, g: chunk_gla(q, k, v, g)[0]), (q, k, v, g)
