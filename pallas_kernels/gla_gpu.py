@@ -34,9 +34,13 @@ end only with the chunk's last count, and a chunk with a document start passes n
 Layout: the token arrays are transposed once to [B, H, NT, C, X] (contiguous C x X tiles per
 chunk); any K and V (no padding).
 
-INTRA = "pallas" (opt-in, not yet measured on a GPU) replaces the per-chunk part of the forward
-(A, o) and of the backward (dq, dk, dv, the chunk-local d log_g sums) by gla_gpu_intra's two
-Triton kernels, one program per chunk, which read and write the [B, T, H, X] arrays directly.
+INTRA = "pallas" (opt-in; slower than "xla" on an H100, docs/kernels.md) replaces the
+per-chunk part of the forward (A, o) and of the backward (dq, dk, dv, the chunk-local d log_g
+sums) by gla_gpu_intra's two Triton kernels, one program per chunk, which read and write the
+[B, T, H, X] arrays directly.
+
+This module is chunk_gla's GPU path for shapes gla_gpu_fact does not take (K or V not a power
+of two >= 16) and with GLA_GPU_IMPL=xla.
 """
 
 import functools
@@ -61,7 +65,7 @@ SCAN = os.environ.get("GLA_GPU_SCAN", "pallas")
 
 # How the forward's per-chunk part (A and o) runs: "xla" (the default, measured: batched
 # products and a fused diagonal-block reduction) or "pallas" (gla_gpu_intra's Triton kernel:
-# one program per chunk, o written straight into [B, T, H, V]; not measured on a GPU yet).
+# one program per chunk, o written straight into [B, T, H, V]; measured slower on an H100).
 INTRA = os.environ.get("GLA_GPU_INTRA", "xla")
 
 
