@@ -225,17 +225,24 @@ def _states_kernel(*refs, c, nt, reverse, scale, has_resets, prefetch):
 # Each kernel function is its own jit: a model calls it once per layer with the same shapes, and
 # JAX then lowers (on jaxlib > 0.10.2: compiles with Triton) each kernel once, not once per
 # layer and per rematerialisation (24 layers of GLA 340M did not compile in 6 minutes without).
-_kernel_jit = functools.partial(jax.jit, static_argnames=("c", "scale", "interpret"))
+# `knobs` (= _knobs() at the call) is a static argument only so that changing a module setting
+# (LIMIT, SPLIT, ...: tests and benchmarks do) retraces instead of reusing a cached trace.
+_kernel_jit = functools.partial(jax.jit, static_argnames=("c", "scale", "interpret", "knobs"))
 
 
-@functools.partial(jax.jit, static_argnames=("c", "reverse", "scale", "interpret"))
-def _states(x, y, g, rc, init, *, c, reverse, scale, interpret):
+def _knobs():
+  return (LIMIT, SPLIT, STATE_BLOCK, STATE_STAGES, STATE_PREFETCH, NUM_WARPS)
+
+
+@functools.partial(jax.jit, static_argnames=("c", "reverse", "scale", "interpret", "knobs"))
+def _states(x, y, g, rc, init, *, c, reverse, scale, interpret, knobs):
   """Per-chunk states [B, H, NT, V, K] (x's dtype) and the final one [B, H, V, K] float32.
 
   Forward (x = k, y = v, init = S_0^T): entry n is S_n^T, the state entering chunk n.
   Reverse (x = q, y = do, init = dS^T at the end): entry n is the gradient of the state leaving
   chunk n; the final one is dS_0^T.
   """
+  del knobs  # a cache key (see _knobs)
   bsz, tp, h, kd = x.shape
   vd = y.shape[-1]
   nt = tp // c
@@ -327,8 +334,9 @@ def _output_kernel(*refs, scale, c, has_resets):
 
 
 @_kernel_jit
-def _output(q, k, v, g, rc, st, *, scale, c, interpret):
+def _output(q, k, v, g, rc, st, *, scale, c, interpret, knobs):
   """o, one program per (chunk, block of V columns): A is recomputed per block."""
+  del knobs  # a cache key (see _knobs)
   bsz, tp, h, kd = q.shape
   vd = v.shape[-1]
   bv = min(vd, SPLIT)
@@ -376,10 +384,11 @@ def _dqk_kernel(*refs, scale, c, has_resets):
 
 
 @_kernel_jit
-def _grads(q, k, v, g, do, rc, st, dst, *, scale, c, interpret):
+def _grads(q, k, v, g, do, rc, st, dst, *, scale, c, interpret, knobs):
   """(dq, dk, dv, within-chunk reverse sums of q dq - k dk): two kernels, dv per (chunk, block
   of V columns) and the rest per (chunk, block of K columns); each recomputes what it needs.
   (st, dst: [B, H, NT, V, K], S_n^T and the gradient of the leaving state, transposed.)"""
+  del knobs  # a cache key (see _knobs)
   bsz, tp, h, kd = q.shape
   vd = v.shape[-1]
   bv, bk = min(vd, SPLIT), min(kd, SPLIT)
@@ -414,7 +423,7 @@ def gla(scale, c, interpret, q, k, v, g, s0, rc):
 
 
 def _fwd(scale, c, interpret, q, k, v, g, s0, rc):
-  kw = dict(c=c, scale=scale, interpret=interpret)
+  kw = dict(c=c, scale=scale, interpret=interpret, knobs=_knobs())
   st, last = _states(k, v, g, rc, jnp.swapaxes(s0, -1, -2), reverse=False, **kw)
   o = _output(q, k, v, g, rc, st, **kw)
   s_last = jnp.swapaxes(last, -1, -2)
@@ -424,7 +433,7 @@ def _fwd(scale, c, interpret, q, k, v, g, s0, rc):
 def _bwd(scale, c, interpret, res, cts):
   q, k, v, g, s0, rc, st, s_last = res
   do, ds_last = cts
-  kw = dict(c=c, scale=scale, interpret=interpret)
+  kw = dict(c=c, scale=scale, interpret=interpret, knobs=_knobs())
   do = do.astype(q.dtype)
   ds_last = ds_last.astype(F32)
   dst, ds0 = _states(q, do, g, rc, jnp.swapaxes(ds_last, -1, -2), reverse=True, **kw)
