@@ -1,37 +1,40 @@
-"""GLA on the GPU in four Triton (Pallas) kernels, the chunk's gates factorised about its midpoint.
+"""GLA on the GPU in five Triton (Pallas) kernels, the chunk's gates factorised about its midpoint.
 
 Per chunk of C tokens (b the chunk-local inclusive cumulative sum of log_g, float32; tot = b at
 the chunk's last row, per K column; S_n the state entering chunk n):
 
-    o   = (scale q exp(b)) S_n + A v,          A_tu = scale sum_k q_tk k_uk exp(b_tk - b_uk), u <= t
+    o   = (scale q exp(b)) S_n + A v,     A_tu = scale sum_k q_tk k_uk exp(b_tk - b_uk), u <= t
     S_n+1 = exp(tot) S_n + (k exp(tot - b))^T v
 
 The intra-chunk attention A is one [C, K] x [K, C] tensor-core product once both sides are
 rescaled about the chunk's midpoint m = tot / 2: q exp(b - m) and k exp(m - b). Every factor is
 then at most exp(R / 2), R = max_k(-tot_k) the chunk's largest total decay; below LIMIT that
 is safely inside float32 and bfloat16 range and the products keep the operands' relative
-precision. The self terms (t = u, the largest, and in d log_g = q dq - k dk the ones that
-cancel exactly) are taken out of the products and added in float32. A chunk whose decay exceeds LIMIT (gates of e^-2 per step and stronger) takes an
-exact branch in the same kernel (`lax.cond` per chunk): A and its gradients in float32 log
-space, one key row at a time, every exponent clamped at 0. Masked (u > t) entries of the fast
-product may overflow; they are removed by a select, never multiplied.
+precision. The self terms (t = u: the largest, and in d log_g = q dq - k dk ones that cancel
+exactly) are taken out of the products and added in float32. A chunk whose decay exceeds LIMIT
+(gates of about e^-1 per step and stronger, at C = 64) takes an exact branch in the same kernel
+(`lax.cond` per chunk): A and its gradients in float32 log space, one key row at a time, every
+exponent clamped at 0. Masked (u > t) entries of the fast product may overflow; they are
+removed by a select, never multiplied.
 
 Kernels (no XLA transposes: token arrays are read and written in the caller's [B, T, H, X]
-layout as strided [C, X] tiles, states are [B, H, NT, V, K] i.e. S^T):
+layout as strided [C, X] tiles; states are [B, H, NT, V, K], i.e. S^T):
 
 - `_states` (forward and backward): one sequential program per (batch row, head, state tile
   [BV, BK]) walks the chunks, forward for S_n (stored before each update, in the input dtype:
   the dots' operand dtype) and in reverse for dS (the gradient of the state leaving chunk n:
   dS_n = exp(tot) dS_n+1 + (scale q exp(b))^T do).
-- `_output`: one program per chunk, o from S_n, q, k, v, g.
-- `_grads`: one program per chunk, dq, dk, dv and the chunk-local reverse cumulative sum of
+- `_output`: one program per (chunk, block of V columns): o from S_n, q, k, v, g.
+- `_grads`: two kernels, one program per (chunk, block of V columns) for dv and one per
+  (chunk, block of K columns) for dq, dk and the chunk-local reverse cumulative sum of
   q dq - k dk (d log_g's within-chunk part; XLA adds the later chunks' sums, as in gla_gpu).
 
 b is recomputed from log_g in every kernel (a [C, K] cumulative sum in registers) rather than
-stored. Resets (packed documents) use gla_gpu's masks from the per-chunk reset counts rc: a
-query sees S_n only with count 0, pairs attend only with equal counts, keys reach the chunk end
-only with the chunk's last count (the largest: counts only grow within a chunk), a chunk with a
-document start passes no state on.
+stored. Each kernel function is its own jit, so a many-layer model lowers (and, on jaxlib >
+0.10.2, Triton-compiles) it once. Resets (packed documents) use gla_gpu's masks from the
+per-chunk reset counts rc: a query sees S_n only with count 0, pairs attend only with equal
+counts, keys reach the chunk end only with the chunk's last count (the largest: counts only
+grow within a chunk), a chunk with a document start passes no state on.
 
 Triton needs power-of-two blocks and dots at least 16 wide: `supported` says when this path
 applies (K and V powers of two >= 16, C a power of two >= 16); chunk_gla uses gla_gpu otherwise.
