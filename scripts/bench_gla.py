@@ -1,14 +1,15 @@
 """Times chunk_gla (forward, forward+backward) beside flash-linear-attention and cuDNN attention.
 
     python scripts/bench_gla.py --out DIR [--shapes 8,2048,16,64 ...] [--reps 20] [--check]
-        [--intra xla,pallas]
+        [--intra fact,fact-pf,xla]
 
 Runs on a GPU. All inputs bfloat16, K = V = head dim. Times are medians: for JAX, of batches of
 back-to-back calls divided by the batch size (device time, host dispatch overlapped); for
 flash-linear-attention (fla.ops.gla.chunk_gla, if importable), of triton.testing.do_bench's CUDA
 events. `--intra` times chunk_gla's GPU path once per listed variant (see _set_intra: "fact",
-the default, gla_gpu_fact's four kernels; "xla", gla_gpu with XLA's per-chunk part; "pallas",
-gla_gpu with gla_gpu_intra's kernels; options for warps, state tiles, diagonal), one column each;
+the default, gla_gpu_fact's five kernels; "xla", gla_gpu with XLA's per-chunk part; "pallas",
+gla_gpu with gla_gpu_intra's kernels; options for warps, state tiles and stages, prefetch,
+diagonal), one column each;
 `--check` checks every variant. A variant that fails (say, to compile) is reported in the
 notes and the run goes on; a misspelt one stops the run before anything is timed. Writes
 DIR/bench_gla.md (a markdown table with ratios) and DIR/bench_gla.json.
