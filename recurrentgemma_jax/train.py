@@ -312,6 +312,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   model_cfg, mesh = plan.model_cfg, plan.mesh
 
   log = print if jax.process_index() == 0 else (lambda *_: None)
+  n_params = sum(x.size for x in jax.tree.leaves(plan.params_abstract))
   checkpoints = Checkpoints(workdir, config.keep_checkpoints)
   restored = checkpoints.restore_latest(plan.abstract_state, log)
   shard_index, shard_count = partitioning.process_data_shard(mesh)
@@ -323,10 +324,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     start = int(state["step"])
     log(f"resuming from {checkpoints.directory}/{start}")
   else:
-    state = plan.initial_state(config)
+    log(f"initialising {n_params / 1e6:.2f}M parameters and the optimizer state (compiling)")
+    started = time.perf_counter()
+    state = jax.block_until_ready(plan.initial_state(config))
+    log(f"initialised in {time.perf_counter() - started:.1f} s")
     start = 0
 
-  n_params = sum(x.size for x in jax.tree.leaves(plan.params_abstract))
   flops_per_token = flops.train_flops_per_token(model_cfg, config.seq_len)
   peak = flops.device_peak_flops()
   writer = MetricsWriter(workdir, start)
@@ -366,6 +369,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   pending: list[tuple[int, dict]] = []
   last_record: dict[str, Any] = {}
   interval_start, interval_steps = time.perf_counter(), 0
+  if start < config.total_steps:
+    log("compiling the training step (the first logged interval includes it)")
   try:
     for step in range(start + 1, config.total_steps + 1):
       batch = _place(next(train_iter), batch_sh, config.batch_size)
