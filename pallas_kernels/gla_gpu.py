@@ -53,7 +53,7 @@ from jax import lax
 from pallas_kernels import gla_gpu_intra
 from pallas_kernels import scan_core
 from pallas_kernels import scan_linear
-from pallas_kernels.gla_reference import add_later_chunks
+from pallas_kernels.gla_reference import add_later_chunks, token_log_gate_grad
 
 SUB = 16
 F32 = jnp.float32
@@ -271,7 +271,7 @@ def _bwd(scale, c, interpret, intra, res, cts):
     dq, dk, dv, within = gla_gpu_intra.backward(
         q, k, v, do, ch.b, states, s0, d_starts, ds_last.astype(F32), attn, rc, scale=scale,
         chunk=c, interpret=interpret)
-    dlog_g = _across_chunks(within, c) + jnp.sum(ds_last * s_last, axis=-1)[:, None]
+    dlog_g = token_log_gate_grad(within, c, ds_last, s_last)
     return (dq, dk.astype(k.dtype), dv.astype(v.dtype), dlog_g.astype(g.dtype),
             ds0.astype(s0.dtype), None)
   starts = states
@@ -293,12 +293,6 @@ def _bwd(scale, c, interpret, intra, res, cts):
 def _reverse_cumsum(x):
   """Reverse cumulative sum over the whole sequence of [B, H, NT, C, K] (chunks, then across)."""
   return add_later_chunks(jnp.flip(jnp.cumsum(jnp.flip(x, -2), axis=-2), -2), 2)
-
-
-def _across_chunks(within, c):
-  """within [B, Tp, H, K] (reverse cumulative sums inside each chunk) + all later chunks' sums."""
-  bsz, tp, h, kd = within.shape
-  return add_later_chunks(within.reshape(bsz, tp // c, c, h, kd), 1).reshape(within.shape)
 
 
 gla.defvjp(_fwd, _bwd)

@@ -34,7 +34,7 @@ stored. Each kernel function is its own jit, so a many-layer model lowers (and, 
 0.10.2, Triton-compiles) it once. Resets (packed documents) use gla_gpu's masks from the
 per-chunk reset counts rc: a query sees S_n only with count 0, pairs attend only with equal
 counts, keys reach the chunk end only with the chunk's last count (the largest: counts only
-grow within a chunk), a chunk with a document start passes no state on.
+grow within a chunk), a chunk with a document start passes no state on (`_reset_masks`).
 
 Triton needs power-of-two blocks and dots at least 16 wide: `supported` says when this path
 applies (K and V powers of two >= 16, C a power of two >= 16); chunk_gla uses gla_gpu otherwise.
@@ -48,7 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gla_reference import add_later_chunks
+from pallas_kernels.gla_reference import token_log_gate_grad
 
 F32 = jnp.float32
 
@@ -84,9 +84,9 @@ def _iota(shape, dim):
   return lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
-def _gates(g_ref, rows=slice(None)):
-  """(b [C, K] cumulative log-gate, tot [1, K] its chunk total), float32."""
-  g = g_ref[rows, :].astype(F32)
+def _gates(g):
+  """(b [C, K] cumulative log-gate, tot [1, K] its chunk total), float32, from a log_g tile."""
+  g = g.astype(F32)
   return jnp.cumsum(g, axis=0), jnp.sum(g, axis=0, keepdims=True)
 
 
@@ -166,15 +166,23 @@ def _attention_grads(da, qs, k, b, tot, dt):
   return lax.cond(_factorised(tot), fast, exact)
 
 
+def _reset_masks(rc):
+  """From a chunk's reset counts rc [C, 1]: (query sees S_n [C, 1], key reaches the chunk end
+  [C, 1], the chunk passes its state on (scalar)). The last count is the largest: counts only
+  grow within a chunk."""
+  last = jnp.max(rc)
+  return rc == 0.0, rc == last, last == 0.0
+
+
 def _masks(rc_ref, rr_ref, c):
-  """(keep [C, C], query sees S_n [C, 1], key reaches the chunk end [C, 1], chunk passes its
-  state on (scalar)); all-true without resets."""
+  """(keep [C, C], query sees S_n, key reaches the chunk end) of the per-chunk kernels; no
+  masks but the causal one without resets."""
   causal = _iota((c, c), 1) <= _iota((c, c), 0)
   if rc_ref is None:
-    return causal, None, None, None
+    return causal, None, None
   rc = rc_ref[...]                                                  # [C, 1]
-  last = jnp.max(rc)
-  return causal & (rc == rr_ref[...]), rc == 0.0, rc == last, last == 0.0
+  sees_state, reaches_end, _ = _reset_masks(rc)
+  return causal & (rc == rr_ref[...]), sees_state, reaches_end
 
 
 def _masked(x, mask):
@@ -200,17 +208,16 @@ def _states_kernel(*refs, c, nt, reverse, scale, has_resets, prefetch):
 
   def update(st, n, tiles):
     x, y, g, rc = tiles
-    g = g.astype(F32)
-    b, tot = jnp.cumsum(g, axis=0), jnp.sum(g, axis=0, keepdims=True)
+    b, tot = _gates(g)
     decay = jnp.exp(tot)                                            # [1, BK]
     if reverse:  # x = q: scale q exp(b), for queries that see the entering state
       x = x.astype(F32) * (scale * jnp.exp(b))
     else:        # x = k: k exp(tot - b), for keys that reach the chunk end
       x = x.astype(F32) * jnp.exp(tot - b)
     if rc is not None:
-      last = jnp.max(rc)
-      x = jnp.where((rc == 0.0) if reverse else (rc == last), x, 0.0)
-      decay = jnp.where(last == 0.0, decay, 0.0)
+      sees_state, reaches_end, passes_on = _reset_masks(rc)
+      x = jnp.where(sees_state if reverse else reaches_end, x, 0.0)
+      decay = jnp.where(passes_on, decay, 0.0)
     st_ref[n] = st.astype(st_ref.dtype)
     return st * decay + _dot(y, x, (0, 0), dt)                      # [BV, BK]
 
@@ -327,9 +334,9 @@ def _output_kernel(*refs, scale, c, has_resets):
   (q_ref, k_ref, v_ref, g_ref, st_ref), (rc_ref, rr_ref), (o_ref,) = _split_refs(
       refs, 5, has_resets)
   dt = q_ref.dtype
-  keep, sees_state, _, _ = _masks(rc_ref, rr_ref, c)
+  keep, sees_state, _ = _masks(rc_ref, rr_ref, c)
   qs = q_ref[...].astype(F32) * scale
-  b, tot = _gates(g_ref)
+  b, tot = _gates(g_ref[...])
   a = _attention(qs, k_ref[...].astype(F32), b, tot, keep, dt)
   o = (_dot(_masked(qs * jnp.exp(b), sees_state), st_ref[...], (1, 1), dt)
        + _dot(a.astype(dt), v_ref[...], (1, 0), dt))
@@ -354,9 +361,9 @@ def _dv_kernel(*refs, scale, c, has_resets):
   (q_ref, k_ref, g_ref, do_ref, dst_ref), (rc_ref, rr_ref), (dv_ref,) = _split_refs(
       refs, 5, has_resets)
   dt = q_ref.dtype
-  keep, _, reaches_end, _ = _masks(rc_ref, rr_ref, c)
+  keep, _, reaches_end = _masks(rc_ref, rr_ref, c)
   k = k_ref[...].astype(F32)
-  b, tot = _gates(g_ref)
+  b, tot = _gates(g_ref[...])
   a = _attention(q_ref[...].astype(F32) * scale, k, b, tot, keep, dt)
   k_out = _masked(jnp.exp(tot - b), reaches_end)
   dv = _dot(a.astype(dt), do_ref[...], (0, 0), dt) + _dot(k * k_out, dst_ref[...], (1, 1), dt)
@@ -367,12 +374,12 @@ def _dqk_kernel(*refs, scale, c, has_resets):
   (q_ref, k_ref, v_ref, g_ref, do_ref, st_ref, dst_ref), (rc_ref, rr_ref), (
       dq_ref, dk_ref, within_ref) = _split_refs(refs, 7, has_resets)
   dt = q_ref.dtype
-  keep, sees_state, reaches_end, _ = _masks(rc_ref, rr_ref, c)
+  keep, sees_state, reaches_end = _masks(rc_ref, rr_ref, c)
   q = q_ref[...].astype(F32)
   k = k_ref[...].astype(F32)
   v, do = v_ref[...], do_ref[...]
   qs = q * scale
-  b, tot = _gates(g_ref)
+  b, tot = _gates(g_ref[...])
   da = jnp.where(keep, _dot(do, v, (1, 1), dt), 0.0)                # [C t, C u]
   dqs, dk, x = _attention_grads(da, qs, k, b, tot, dt)
   dqs_in = _masked(jnp.exp(b), sees_state) * _dot(do, st_ref[...], (1, 0), dt)
@@ -441,9 +448,7 @@ def _bwd(scale, c, interpret, res, cts):
   ds_last = ds_last.astype(F32)
   dst, ds0 = _states(q, do, g, rc, jnp.swapaxes(ds_last, -1, -2), reverse=True, **kw)
   dq, dk, dv, within = _grads(q, k, v, g, do, rc, st, dst, **kw)
-  bsz, tp, h, kd = within.shape
-  dlog_g = (add_later_chunks(within.reshape(bsz, tp // c, c, h, kd), 1).reshape(within.shape)
-            + jnp.sum(ds_last * s_last, axis=-1)[:, None])
+  dlog_g = token_log_gate_grad(within, c, ds_last, s_last)
   return (dq, dk, dv, dlog_g.astype(g.dtype), jnp.swapaxes(ds0, -1, -2).astype(s0.dtype), None)
 
 

@@ -46,6 +46,17 @@ def add_later_chunks(within: jax.Array, axis: int) -> jax.Array:
   return within + jnp.expand_dims(later, axis + 1)
 
 
+def token_log_gate_grad(within: jax.Array, chunk: int, ds_last: jax.Array,
+                        s_last: jax.Array) -> jax.Array:
+  """d log_g [B, T, H, K] float32 from ``within`` [B, T, H, K] (reverse cumulative sums of
+  dL/dG inside each chunk of ``chunk`` tokens): the later chunks' sums are added, and the final
+  state's term sum_v dh_last * h_last (``ds_last``, ``s_last``: [B, H, K, V]), which every
+  position's reverse cumulative sum contains."""
+  bsz, t, h, kd = within.shape
+  across = add_later_chunks(within.reshape(bsz, t // chunk, chunk, h, kd), 1)
+  return across.reshape(within.shape) + jnp.sum(ds_last * s_last, axis=-1)[:, None]
+
+
 def gla_reference(q, k, v, log_g, h0=None, *, scale=None, reset=None, chunk_size=64):
   """Chunked GLA in float32 (float64 for float64 inputs) with `lax.scan` over chunks.
 

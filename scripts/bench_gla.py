@@ -6,7 +6,7 @@
 Runs on a GPU. All inputs bfloat16, K = V = head dim. Times are medians: for JAX, of batches of
 back-to-back calls divided by the batch size (device time, host dispatch overlapped); for
 flash-linear-attention (fla.ops.gla.chunk_gla, if importable), of triton.testing.do_bench's CUDA
-events. `--intra` times chunk_gla's GPU path once per listed variant (see _set_intra: "fact",
+events. `--intra` times chunk_gla's GPU path once per listed variant (see set_variant: "fact",
 the default, gla_gpu_fact's five kernels; "xla", gla_gpu with XLA's per-chunk part; "pallas",
 gla_gpu with gla_gpu_intra's kernels; options for warps, state tiles and stages, prefetch,
 diagonal), one column each;
@@ -108,11 +108,12 @@ def _time_fla(shape, reps):
   return fwd, bench(fwd_bwd)
 
 
-def _set_intra(variant):
+def set_variant(variant):
   """A variant of chunk_gla's GPU path: "fact[-wN][-sbN][-stN][-pf]" (gla_gpu_fact, the
   default: N warps per per-chunk program, N-wide state tiles, N pipeline stages in the state
   kernels, their next tiles prefetched), "xla" (gla_gpu with XLA's per-chunk part) or
-  "pallas[-wN][-kp]" (gla_gpu with gla_gpu_intra's kernels: N warps, "kpieces" diagonal with -kp)."""
+  "pallas[-wN][-kp]" (gla_gpu with gla_gpu_intra's kernels: N warps, "kpieces" diagonal with
+  -kp)."""
   name, *opts = variant.split("-")
   if name not in ("fact", "xla", "pallas"):
     raise ValueError(f"unknown variant {variant!r}: fact, xla or pallas")
@@ -140,7 +141,7 @@ def _set_intra(variant):
 
 def check(out_lines, intra="xla"):
   """Our kernel against the float32 reference on the GPU, values and gradients."""
-  _set_intra(intra)
+  set_variant(intra)
   for dtype, shape in ((jnp.float32, (2, 1000, 4, 48)), (jnp.bfloat16, (2, 4096, 4, 64))):
     b, t, h, d = shape
     q, k, v, g, do = (x.astype(dtype) for x in _inputs(shape, seed=1))
@@ -180,7 +181,7 @@ def main():
   shapes = ([tuple(map(int, s.split(","))) for s in args.shapes] if args.shapes else SHAPES)
   intras = args.intra.split(",")
   for intra in intras:  # misspelt variants fail here, before any compilation
-    _set_intra(intra)
+    set_variant(intra)
   notes = []
   if args.check:
     for intra in intras:
@@ -197,7 +198,7 @@ def main():
     q, k, v, g, do = _inputs(shape)
     r = {"shape": shape, "fla_fwd": None, "fla_fb": None, "gla": {}}
     for intra in intras:
-      _set_intra(intra)  # read when the jitted functions are traced (first call)
+      set_variant(intra)  # read when the jitted functions are traced (first call)
       gla_fwd, gla_fb = _gla_fns()
       print(f"{shape} intra={intra}", flush=True)
       try:

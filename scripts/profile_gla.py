@@ -30,7 +30,7 @@ def main():
   ap.add_argument("--fwd_only", action="store_true")
   ap.add_argument("--variant", default="fact", help="bench_gla's --intra variants: fact, xla, ...")
   args = ap.parse_args()
-  bench_gla._set_intra(args.variant)  # pylint: disable=protected-access
+  bench_gla.set_variant(args.variant)
   q, k, v, g, do = bench_gla._inputs(tuple(map(int, args.shape.split(","))))  # pylint: disable=protected-access
   if args.fwd_only:
     fn, xs = jax.jit(lambda q, k, v, g: chunk_gla(q, k, v, g)[0]), (q, k, v, g)

@@ -54,6 +54,22 @@ def random_inputs(seed, b, t, h, dk, dv, max_decay=1.0, reset_rate=0.0):
           reset, f32(b, t, h, dv), f32(b, h, dk, dv))
 
 
+def lowered_for_cuda(gla, dtype, dh, with_reset, b=1, t=256, h=2, c=64):
+  """The StableHLO text of forward + backward of ``gla(c, q, k, v, log_g, s0, rc)`` lowered for
+  CUDA on the CPU (no GPU here): catches unsupported primitives and block shapes early."""
+  x = jax.ShapeDtypeStruct((b, t, h, dh), jnp.dtype(dtype))
+  g = jax.ShapeDtypeStruct((b, t, h, dh), jnp.float32)
+  s0 = jax.ShapeDtypeStruct((b, h, dh, dh), jnp.float32)
+  rc = jax.ShapeDtypeStruct((b, t), jnp.float32) if with_reset else None
+
+  def fwd_bwd(q, k, v, log_g, s0, rc, do):
+    (o, _), vjp = jax.vjp(lambda *a: gla(c, *a, rc), q, k, v, log_g, s0)
+    return o, vjp((do, jnp.zeros_like(s0)))
+
+  return jax.jit(fwd_bwd).trace(x, x, x, g, s0, rc, x).lower(
+      lowering_platforms=("cuda",)).as_text()
+
+
 def use_gpu_impl(monkeypatch, impl):
   # (the package exports the function under the module's name, hence sys.modules)
   monkeypatch.setattr(sys.modules["pallas_kernels.chunk_gla"], "GPU_IMPL", impl)
@@ -151,20 +167,9 @@ def test_pallas_intra_kernels_lower_to_triton(monkeypatch, dtype, dh, with_reset
   # catches unsupported primitives and block shapes before the first GPU run.
   monkeypatch.setattr(gla_gpu, "INTRA", "pallas")
   monkeypatch.setattr(gla_gpu_intra, "DIAG", diag)
-  b, t, h, c = 1, 256, 2, 64
-  x = jax.ShapeDtypeStruct((b, t, h, dh), jnp.dtype(dtype))
-  g = jax.ShapeDtypeStruct((b, t, h, dh), jnp.float32)
-  s0 = jax.ShapeDtypeStruct((b, h, dh, dh), jnp.float32)
-  rc = jax.ShapeDtypeStruct((b, t), jnp.float32) if with_reset else None
-
-  def fwd_bwd(q, k, v, log_g, s0, rc, do):
-    # gla_gpu.gla directly: chunk_gla always interprets on a CPU backend.
-    gla = lambda *a: gla_gpu.gla(dh**-0.5, c, False, gla_gpu.intra_impl(), *a, rc)
-    (o, _), vjp = jax.vjp(gla, q, k, v, log_g, s0)
-    return o, vjp((do, jnp.zeros_like(s0)))
-
-  text = jax.jit(fwd_bwd).trace(x, x, x, g, s0, rc, x).lower(
-      lowering_platforms=("cuda",)).as_text()
+  # gla_gpu.gla directly: chunk_gla always interprets on a CPU backend.
+  text = lowered_for_cuda(lambda c, *a: gla_gpu.gla(dh**-0.5, c, False, gla_gpu.intra_impl(), *a),
+                          dtype, dh, with_reset)
   assert text.count("@__gpu$xla.gpu.triton") == 4  # the two scans and the two GLA kernels
 
 
@@ -243,19 +248,8 @@ def test_gpu_paths_bfloat16_accuracy(monkeypatch, impl):
 
 @pytest.mark.parametrize("dtype, dh, with_reset", [("bfloat16", 64, True), ("float32", 128, False)])
 def test_factorised_kernels_lower_to_triton(dtype, dh, with_reset):
-  b, t, h, c = 1, 256, 2, 64
-  x = jax.ShapeDtypeStruct((b, t, h, dh), jnp.dtype(dtype))
-  g = jax.ShapeDtypeStruct((b, t, h, dh), jnp.float32)
-  s0 = jax.ShapeDtypeStruct((b, h, dh, dh), jnp.float32)
-  rc = jax.ShapeDtypeStruct((b, t), jnp.float32) if with_reset else None
-
-  def fwd_bwd(q, k, v, log_g, s0, rc, do):
-    gla = lambda *a: gla_gpu_fact.gla(dh**-0.5, c, False, *a, rc)
-    (o, _), vjp = jax.vjp(gla, q, k, v, log_g, s0)
-    return o, vjp((do, jnp.zeros_like(s0)))
-
-  text = jax.jit(fwd_bwd).trace(x, x, x, g, s0, rc, x).lower(
-      lowering_platforms=("cuda",)).as_text()
+  text = lowered_for_cuda(lambda c, *a: gla_gpu_fact.gla(dh**-0.5, c, False, *a), dtype, dh,
+                          with_reset)
   assert text.count("@__gpu$xla.gpu.triton") == 5  # two state kernels, output, dv, dq and dk
 
 
