@@ -301,11 +301,10 @@ class Model(nnx.Module):
     if errors:
       raise ValueError("; ".join(errors))
     self.cfg = cfg
-    dtype = DTYPES[cfg.dtype]
-    self.embedder = layers.Embedder(cfg.vocab_size, cfg.width,
-                                    scale_by_sqrt_dim=cfg.embeddings_scale_by_sqrt_dim,
-                                    rngs=rngs, param_dtype=DTYPES[cfg.param_dtype], dtype=dtype)
-    self.blocks = nnx.List([ResidualBlock(t, cfg, rngs=rngs) for t in cfg.resolved_block_types])
+    keys = _part_keys(rngs.params(), len(cfg.resolved_block_types))
+    self.embedder = _embedder(cfg, keys[0])
+    self.blocks = nnx.List([ResidualBlock(t, cfg, rngs=nnx.Rngs(params=k))
+                            for t, k in zip(cfg.resolved_block_types, keys[1:])])
     self.final_norm = layers.RMSNorm(cfg.width, param_dtype=DTYPES[cfg.param_dtype])
 
   def __call__(
@@ -356,8 +355,61 @@ class Model(nnx.Module):
     return logits
 
 
+def _part_keys(key, num_blocks: int) -> list:
+  """One key for the embedder, then one per block: each part's values depend only on its
+  own key, so a part initialised alone equals the same part of the whole model."""
+  return [jax.random.fold_in(key, i) for i in range(num_blocks + 1)]
+
+
+def _embedder(cfg: ModelConfig, key) -> layers.Embedder:
+  return layers.Embedder(cfg.vocab_size, cfg.width,
+                         scale_by_sqrt_dim=cfg.embeddings_scale_by_sqrt_dim,
+                         rngs=nnx.Rngs(params=key), param_dtype=DTYPES[cfg.param_dtype],
+                         dtype=DTYPES[cfg.dtype])
+
+
 def init_model(cfg: ModelConfig, seed: int = 0) -> Model:
   return Model(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, shardings=None) -> nnx.State:
+  """``nnx.state(init_model(cfg, seed))``, the same values, created on device (with
+  ``shardings``, the parameter State's NamedShardings, each array made sharded).
+
+  One jitted program per part (embedder, each kind of block, final norm) rather than one
+  for the whole model: blocks of one kind share their compiled program, so the compile time
+  no longer grows with depth. (A single program over all 24 blocks of GLA 340M compiled for
+  more than 8 minutes on an H100, and takes about 1 s per block on the CPU.)
+  """
+  model = nnx.eval_shape(lambda: init_model(cfg, seed))
+  keys = _part_keys(nnx.Rngs(params=seed).params(), len(cfg.resolved_block_types))
+
+  def part_sharding(*path):
+    if shardings is None:
+      return None
+    sub = shardings
+    for name in path:
+      sub = sub[name]
+    return sub
+
+  def make(build, sharding, *args):
+    return jax.jit(lambda *a: nnx.state(build(*a)), out_shardings=sharding)(*args)
+
+  nnx.update(model.embedder,
+             make(lambda k: _embedder(cfg, k), part_sharding("embedder"), keys[0]))
+  block_init = {}
+  for i, (block_type, key) in enumerate(zip(cfg.resolved_block_types, keys[1:])):
+    sharding = part_sharding("blocks", i)
+    signature = (block_type, tuple(jax.tree.leaves(sharding)))
+    if signature not in block_init:
+      block_init[signature] = jax.jit(
+          lambda k, t=block_type: nnx.state(ResidualBlock(t, cfg, rngs=nnx.Rngs(params=k))),
+          out_shardings=sharding)
+    nnx.update(model.blocks[i], block_init[signature](key))
+  nnx.update(model.final_norm, make(
+      lambda: layers.RMSNorm(cfg.width, param_dtype=DTYPES[cfg.param_dtype]),
+      part_sharding("final_norm")))
+  return nnx.state(model)
 
 
 def count_params(cfg: ModelConfig) -> int:

@@ -253,8 +253,7 @@ class Setup:
     if config.init_from:
       params = ckpt_lib.restore_params(config.init_from, self.params_abstract, param_sh)
     else:
-      params = jax.jit(lambda: nnx.state(model_lib.init_model(self.model_cfg, config.seed)),
-                       out_shardings=param_sh)()
+      params = model_lib.init_params(self.model_cfg, config.seed, param_sh)
     return {"step": jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings["step"]),
             "params": params,
             "opt_state": jax.jit(self.tx.init,

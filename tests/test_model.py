@@ -32,6 +32,28 @@ def perturbed(module, seed, scale=0.3):
   return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
 
+def test_init_params_equals_the_whole_model_program_and_shards_each_part():
+  """Part by part (one program per kind of block), the values of one jitted init of the whole
+  model, bit for bit; with shardings, every array lands with its parameter's sharding."""
+  from sharding import partitioning  # pylint: disable=g-import-not-at-top
+  cfg = tiny_config(num_layers=5, width=32, mlp_expanded_width=48)
+  whole = jax.jit(lambda: nnx.state(model_lib.init_model(cfg, 7)))()
+  mesh = partitioning.make_mesh(2, 2, jax.devices()[:4])
+  shardings = partitioning.param_shardings(
+      nnx.eval_shape(lambda: model_lib.init_model(cfg, 7)), mesh, zero=3)
+  for sh in (None, shardings):
+    parts = model_lib.init_params(cfg, 7, sh)
+    assert jax.tree.structure(parts) == jax.tree.structure(whole)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(parts), jax.tree.leaves(whole)):
+      np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+  for a, s in zip(jax.tree.leaves(parts), jax.tree.leaves(shardings)):
+    assert a.sharding == s
+  assert any(not s.is_fully_replicated for s in jax.tree.leaves(shardings))
+  # Each block's values come from its own key: blocks of one kind differ.
+  assert not np.array_equal(parts["blocks"][0]["recurrent_block"]["linear_x"]["kernel"].value,
+                            parts["blocks"][1]["recurrent_block"]["linear_x"]["kernel"].value)
+
+
 @pytest.mark.parametrize("block_type", BLOCK_TYPES)
 def test_packed_row_equals_separate_documents(block_type):
   cfg = tiny_config(block_types=(block_type,) * 2, num_layers=2)
