@@ -76,6 +76,20 @@ def test_train_rejects_bad_input_with_one_line(args, expected, files, tmp_path, 
   assert not os.path.exists(tmp_path / "run" / "checkpoints")  # nothing ran
 
 
+def test_attention_impl_is_only_checked_where_the_model_has_attention():
+  """A sweep's ``--config.model.attention_impl=cudnn`` must not reject a GLA or Hawk model
+  (no attention blocks); a Griffin model still gets its one line off NVIDIA GPUs."""
+  from recurrentgemma_jax import configlib  # pylint: disable=g-import-not-at-top
+  for family, size in (("gla", "340m"), ("hawk", "400m")):
+    config = configlib.family_config(family, size)
+    config.model.attention_impl = "cudnn"
+    configlib.validate(config)
+  config = configlib.family_config("griffin", "400m")
+  config.model.attention_impl = "cudnn"
+  with pytest.raises(configlib.ConfigError, match="model.attention_impl='cudnn' needs"):
+    configlib.validate(config)  # (the tests run on the CPU)
+
+
 @pytest.mark.parametrize("script,args,expected", [
     ("evaluate", ["--checkpoint=/nonexistent", "--tokens={root}/tokens.npy",
                   "--nll_out={root}/o.npy"], "checkpoint '/nonexistent' does not exist"),
