@@ -54,17 +54,32 @@ F32 = jnp.float32
 
 # A chunk whose largest total log-decay over K exceeds this takes the exact float32 branch.
 LIMIT = 60.0
-# State tile (rows of V x columns of K) per sequential program, and warps per program of the
-# per-chunk kernels (None: 4 up to 64-wide heads, else 8). Set by measurement (docs/kernels.md).
-STATE_BLOCK = 32
+# State tile (rows of V x columns of K) per sequential program (None: by head size,
+# state_block), and warps per program of the per-chunk kernels (None: 4 up to 64-wide heads,
+# else 8). Set by measurement (docs/kernels.md).
+STATE_BLOCK = None
 NUM_WARPS = None
 # The sequential kernels' loop: Triton's own software pipelining (num_stages; 3 measured best,
 # docs/kernels.md) or tiles of chunk n + 1 loaded by hand before chunk n's arithmetic.
 STATE_STAGES = 3
 STATE_PREFETCH = False
 # Column block of the per-chunk kernels: V for o and dv, K for dq and dk (wider heads get more
-# programs per chunk, each recomputing the chunk attention it needs).
-SPLIT = 64
+# programs per chunk, each recomputing the chunk attention it needs). None: by head size, split.
+SPLIT = None
+
+
+def state_block(kd: int, vd: int) -> int:
+  """The state kernels' square tile: 32 (H100: best for 64-wide heads), 64 once both K and V
+  are 128 or more (there 32-wide tiles re-read each chunk's keys and values 4-8 times:
+  fwd+bwd 1.51 -> 1.28 ms at B, T, H, D = 8, 2048, 8, 128; 2.54 -> 2.03 at GLA 340M's
+  16, 2048, 4, K 128, V 256)."""
+  return STATE_BLOCK or (64 if min(kd, vd) >= 128 else 32)
+
+
+def split(kd: int, vd: int) -> int:
+  """The per-chunk kernels' column block: 64, or 128 for heads 256 wide or more (GLA 340M's V:
+  fwd+bwd 2.03 -> 1.89 ms with 64-wide state tiles; at 128 it is slower, 1.28 -> 1.33)."""
+  return SPLIT or (128 if max(kd, vd) >= 256 else 64)
 
 
 def supported(kd: int, vd: int, chunk: int) -> bool:
@@ -256,7 +271,7 @@ def _states(x, y, g, rc, init, *, c, reverse, scale, interpret, knobs):
   bsz, tp, h, kd = x.shape
   vd = y.shape[-1]
   nt = tp // c
-  bv, bk = min(vd, STATE_BLOCK), min(kd, STATE_BLOCK)
+  bv, bk = min(vd, state_block(kd, vd)), min(kd, state_block(kd, vd))
   nk = kd // bk
   whole = lambda w, col: pl.BlockSpec((None, tp, None, w), lambda i, j, s: (i, 0, j, col(s)))
   kcol, vcol = (lambda s: s % nk), (lambda s: s // nk)
@@ -349,7 +364,7 @@ def _output(q, k, v, g, rc, st, *, scale, c, interpret, knobs):
   del knobs  # a cache key (see _knobs)
   bsz, tp, h, kd = q.shape
   vd = v.shape[-1]
-  bv = min(vd, SPLIT)
+  bv = min(vd, split(kd, vd))
   sp = _Specs(c, rc)
   return _call(_output_kernel, sp, (bsz, h, tp // c, vd // bv),
                [sp.tok(kd), sp.tok(kd), sp.tok(bv, True), sp.tok(kd), sp.state(bv, kd, True)],
@@ -401,7 +416,7 @@ def _grads(q, k, v, g, do, rc, st, dst, *, scale, c, interpret, knobs):
   del knobs  # a cache key (see _knobs)
   bsz, tp, h, kd = q.shape
   vd = v.shape[-1]
-  bv, bk = min(vd, SPLIT), min(kd, SPLIT)
+  bv, bk = min(vd, split(kd, vd)), min(kd, split(kd, vd))
   sp = _Specs(c, rc)
   nt = tp // c
   dv = _call(_dv_kernel, sp, (bsz, h, nt, vd // bv),

@@ -1,9 +1,10 @@
 """Times chunk_gla (forward, forward+backward) beside flash-linear-attention and cuDNN attention.
 
-    python scripts/bench_gla.py --out DIR [--shapes 8,2048,16,64 ...] [--reps 20] [--check]
-        [--intra fact,fact-pf,xla]
+    python scripts/bench_gla.py --out DIR [--shapes 8,2048,16,64 16,2048,4,128,256 ...]
+        [--reps 20] [--check] [--intra fact,fact-pf,xla]
 
-Runs on a GPU. All inputs bfloat16, K = V = head dim. Times are medians: for JAX, of batches of
+Runs on a GPU. All inputs bfloat16; a shape is B,T,H,D (K = V = D) or B,T,H,K,V (cuDNN
+attention, which needs K = V, is then left out). Times are medians: for JAX, of batches of
 back-to-back calls divided by the batch size (device time, host dispatch overlapped); for
 flash-linear-attention (fla.ops.gla.chunk_gla, if importable), of triton.testing.do_bench's CUDA
 events. `--intra` times chunk_gla's GPU path once per listed variant (see set_variant: "fact",
@@ -38,11 +39,17 @@ SHAPES = [(8, 2048, 16, 64), (4, 4096, 16, 64), (2, 8192, 16, 64), (1, 16384, 16
           (8, 2048, 8, 128), (2, 8192, 8, 128)]
 
 
+def _dims(shape):
+  """(B, T, H, K, V) of a B,T,H,D or B,T,H,K,V shape."""
+  return tuple(shape) if len(shape) == 5 else (*shape, shape[-1])
+
+
 def _inputs(shape, seed=0):
-  b, t, h, d = shape
+  b, t, h, kd, vd = _dims(shape)
   ks = jax.random.split(jax.random.key(seed), 5)
-  q, k, v, do = (jax.random.normal(kk, (b, t, h, d), jnp.bfloat16) for kk in ks[:4])
-  log_g = jax.nn.log_sigmoid(jax.random.normal(ks[4], (b, t, h, d), jnp.float32) + 2.0)
+  q, k = (jax.random.normal(kk, (b, t, h, kd), jnp.bfloat16) for kk in ks[:2])
+  v, do = (jax.random.normal(kk, (b, t, h, vd), jnp.bfloat16) for kk in ks[2:4])
+  log_g = jax.nn.log_sigmoid(jax.random.normal(ks[4], (b, t, h, kd), jnp.float32) + 2.0)
   return q, k, v, log_g.astype(jnp.bfloat16), do
 
 
@@ -91,11 +98,11 @@ def _time_fla(shape, reps):
   except ImportError as e:
     print(f"flash-linear-attention unavailable: {e}")
     return None
-  b, t, h, d = shape
+  b, t, h, kd, vd = _dims(shape)
   gen = torch.Generator(device="cuda").manual_seed(0)
-  mk = lambda: torch.randn(b, t, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-  q, k, v, do = mk(), mk(), mk(), mk()
-  g = torch.nn.functional.logsigmoid(mk().float() + 2.0).to(torch.bfloat16)
+  mk = lambda d: torch.randn(b, t, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+  q, k, v, do = mk(kd), mk(kd), mk(vd), mk(vd)
+  g = torch.nn.functional.logsigmoid(mk(kd).float() + 2.0).to(torch.bfloat16)
   bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=max(50, 5 * reps),
                                              return_mode="median")
   with torch.no_grad():
@@ -109,9 +116,10 @@ def _time_fla(shape, reps):
 
 
 def set_variant(variant):
-  """A variant of chunk_gla's GPU path: "fact[-wN][-sbN][-stN][-pf]" (gla_gpu_fact, the
+  """A variant of chunk_gla's GPU path: "fact[-wN][-sbN][-stN][-spN][-pf]" (gla_gpu_fact, the
   default: N warps per per-chunk program, N-wide state tiles, N pipeline stages in the state
-  kernels, their next tiles prefetched), "xla" (gla_gpu with XLA's per-chunk part) or
+  kernels, N-wide column blocks of the per-chunk kernels, the state kernels' next tiles
+  prefetched), "xla" (gla_gpu with XLA's per-chunk part) or
   "pallas[-wN][-kp]" (gla_gpu with gla_gpu_intra's kernels: N warps, "kpieces" diagonal with
   -kp)."""
   name, *opts = variant.split("-")
@@ -121,9 +129,10 @@ def set_variant(variant):
   gla_gpu.INTRA = "xla" if name == "fact" else name
   gla_gpu_intra.NUM_WARPS = gla_gpu_fact.NUM_WARPS = None
   gla_gpu_intra.DIAG = "rows"
-  gla_gpu_fact.STATE_BLOCK = 32
+  gla_gpu_fact.STATE_BLOCK = None
   gla_gpu_fact.STATE_PREFETCH = False
   gla_gpu_fact.STATE_STAGES = 3
+  gla_gpu_fact.SPLIT = None
   for opt in opts:
     if opt.startswith("w") and opt[1:].isdigit():
       gla_gpu_intra.NUM_WARPS = gla_gpu_fact.NUM_WARPS = int(opt[1:])
@@ -131,6 +140,8 @@ def set_variant(variant):
       gla_gpu_fact.STATE_BLOCK = int(opt[2:])
     elif opt.startswith("st") and opt[2:].isdigit() and name == "fact":
       gla_gpu_fact.STATE_STAGES = int(opt[2:])
+    elif opt.startswith("sp") and opt[2:].isdigit() and name == "fact":
+      gla_gpu_fact.SPLIT = int(opt[2:])
     elif opt == "pf" and name == "fact":
       gla_gpu_fact.STATE_PREFETCH = True
     elif opt == "kp" and name == "pallas":
@@ -167,7 +178,7 @@ def check(out_lines, intra="xla"):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", required=True)
-  ap.add_argument("--shapes", nargs="*", default=None, help="B,T,H,D ...")
+  ap.add_argument("--shapes", nargs="*", default=None, help="B,T,H,D or B,T,H,K,V ...")
   ap.add_argument("--reps", type=int, default=20)
   ap.add_argument("--check", action="store_true", help="compare with the reference first")
   ap.add_argument("--no_fla", action="store_true")
@@ -209,8 +220,9 @@ def main():
         notes.append(f"{shape} intra={intra} FAILED: {type(e).__name__}: {str(e)[:2000]}")
         print(notes[-1], flush=True)
     r["gla_fwd"], r["gla_fb"] = r["gla"][intras[0]]
-    r["att_fwd"] = timed(_time_jax, att_fwd, (q, k, v), args.reps)
-    r["att_fb"] = timed(_time_jax, att_fb, (q, k, v, do), args.reps)
+    same_dims = k.shape[-1] == v.shape[-1]
+    r["att_fwd"] = timed(_time_jax, att_fwd, (q, k, v), args.reps) if same_dims else None
+    r["att_fb"] = timed(_time_jax, att_fb, (q, k, v, do), args.reps) if same_dims else None
     rows.append(r)
     print(r, flush=True)
     _write_table(rows, notes, args.out, intras)
@@ -231,7 +243,7 @@ def _write_table(rows, notes, out, intras=("xla",)):
   head = " / ".join(intras)
   lines = [f"Device: {dev.device_kind}; jax {jax.__version__}; "
            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", "",
-           "| B, T, H, Dh | "
+           "| B, T, H, Dh (or K, V) | "
            + " | ".join(f"chunk_gla intra={i} fwd / fwd+bwd (ms)" for i in intras)
            + " | fla chunk_gla fwd / fwd+bwd (ms) | cuDNN attention fwd / fwd+bwd (ms) "
            f"| ours/fla fwd+bwd ({head}) | ours/cuDNN fwd+bwd ({head}) |",

@@ -189,7 +189,8 @@ def test_resets_match_recurrence():
 # factorised branch (chunk decay <= LIMIT), the exact branch (LIMIT < 0 forces it; max decay 20
 # per step takes it on its own), both in one call (max decay 3: chunks of 32 straddle the
 # limit), resets, h0, T not a multiple of the chunk, K != V, T = 1, B and H > 1; column blocks
-# of 16 (SPLIT) over K and V wider than that, with resets; the state kernels with prefetching.
+# of 16 (SPLIT) over K and V wider than that, with resets; the state kernels with prefetching;
+# GLA 340M's head (K 128, V 256: 64-wide state tiles and 128-wide column blocks by default).
 @pytest.mark.parametrize("shape, chunk, max_decay, reset_rate, limit, split", [
     ((2, 45, 2, 16, 32), 16, 1.0, 0.0, None, 64),
     ((1, 100, 2, 32, 16), 32, 3.0, 0.0, None, 64),
@@ -199,6 +200,7 @@ def test_resets_match_recurrence():
     ((1, 1, 1, 16, 16), 16, 1.0, 0.0, None, 64),
     ((1, 60, 2, 32, 64), 32, 1.0, 0.05, None, 16),
     ((2, 100, 1, 16, 32), 16, 1.0, 0.05, None, "prefetch"),
+    ((1, 130, 1, 128, 256), 64, 1.0, 0.05, None, "default"),
 ])
 def test_factorised_kernels_match_recurrence(monkeypatch, shape, chunk, max_decay, reset_rate,
                                              limit, split):
@@ -206,6 +208,9 @@ def test_factorised_kernels_match_recurrence(monkeypatch, shape, chunk, max_deca
   monkeypatch.setattr(gla_gpu, "gla", None)  # would fail if chunk_gla fell back to it
   if split == "prefetch":  # the state kernels' loop with the next chunk's tiles loaded ahead
     monkeypatch.setattr(gla_gpu_fact, "STATE_PREFETCH", True)
+  elif split == "default":
+    kd, vd = shape[-2:]
+    assert (gla_gpu_fact.state_block(kd, vd), gla_gpu_fact.split(kd, vd)) == (64, 128)
   else:
     monkeypatch.setattr(gla_gpu_fact, "SPLIT", split)
   if limit is not None:
