@@ -55,8 +55,8 @@ F32 = jnp.float32
 # A chunk whose largest total log-decay over K exceeds this takes the exact float32 branch.
 LIMIT = 60.0
 # State tile (rows of V x columns of K) per sequential program (None: by head size,
-# state_block), and warps per program of the per-chunk kernels (None: 4 up to 64-wide heads,
-# else 8). Set by measurement (docs/kernels.md).
+# state_block), and warps per program of the per-chunk kernels (None: by tile width, _warps).
+# Set by measurement (docs/kernels.md).
 STATE_BLOCK = None
 NUM_WARPS = None
 # The sequential kernels' loop: Triton's own software pipelining (num_stages; 3 measured best,
@@ -336,7 +336,10 @@ def _call(kernel, specs, grid, in_specs, out_specs, out_shape, width, interpret,
 
 
 def _warps(width):
-  return NUM_WARPS or (4 if width <= 64 else 8)
+  """Warps of a per-chunk program whose widest tile is ``width`` columns: 4 up to 128 (8, as
+  before, was slower at K = V = 128: fwd+bwd 1.29 -> 1.11 ms at 8, 2048, 8, 128), else 8 (4
+  spills at GLA 340M's 256-wide V: 1.92 -> 2.85 ms)."""
+  return NUM_WARPS or (4 if width <= 128 else 8)
 
 
 def _split_refs(refs, n_in, has_resets):
