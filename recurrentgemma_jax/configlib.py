@@ -270,7 +270,8 @@ def _mesh_errors(mesh, device_count: int) -> list[str]:
 
 def family_config(family: str, size: str | None) -> ml_collections.ConfigDict:
   """A paper-size model of one family (``presets.py``) with a pre-training recipe for one
-  accelerator host: bfloat16 compute, per-block rematerialisation, 2048-token rows."""
+  accelerator host: bfloat16 compute, per-block rematerialisation, 2048-token rows; AdamW at the
+  GLA paper's learning rates and weight decay for ``gla`` (3e-4 to 3e-5, 0.01)."""
   c = base_config()
   c.model.update(presets.preset(family, size or "100m"))  # KeyError names the sizes
   c.model.dtype = "bfloat16"
@@ -283,4 +284,6 @@ def family_config(family: str, size: str | None) -> ml_collections.ConfigDict:
   c.checkpoint_every = 1000
   c.optimizer.learning_rate = 1e-3 if size in (None, "100m", "200m", "400m", "340m") else 4e-4
   c.optimizer.warmup_steps = 1000
+  if family == "gla":  # the GLA paper's recipe: peak 3e-4, cosine to 3e-5, weight decay 0.01
+    c.optimizer.update(learning_rate=3e-4, final_lr_fraction=0.1, weight_decay=0.01)
   return c
