@@ -37,7 +37,8 @@ counts, keys reach the chunk end only with the chunk's last count (the largest: 
 grow within a chunk), a chunk with a document start passes no state on (`_reset_masks`).
 
 Triton needs power-of-two blocks and dots at least 16 wide: `supported` says when this path
-applies (K and V powers of two >= 16, C a power of two >= 16); chunk_gla uses gla_gpu otherwise.
+applies (K and V powers of two >= 16, C a power of two >= 16, K x V at most MAX_HEAD: wider
+heads' tiles exceed the shared memory); chunk_gla uses gla_gpu otherwise.
 """
 
 import functools
@@ -82,9 +83,14 @@ def split(kd: int, vd: int) -> int:
   return SPLIT or (128 if max(kd, vd) >= 256 else 64)
 
 
+# The largest head (K x V) the per-chunk kernels' tiles fit in an H100's shared memory: GLA
+# 340M's 128 x 256 runs; GLA 1.3B's 256 x 512 asked for 256 KiB of the 227 KiB available.
+MAX_HEAD = 128 * 256
+
+
 def supported(kd: int, vd: int, chunk: int) -> bool:
   pow2 = lambda n: n >= 16 and n & (n - 1) == 0
-  return pow2(kd) and pow2(vd) and pow2(chunk)
+  return pow2(kd) and pow2(vd) and pow2(chunk) and kd * vd <= MAX_HEAD
 
 
 def _dot(a, b, contract, dtype):

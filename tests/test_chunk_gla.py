@@ -219,6 +219,20 @@ def test_factorised_kernels_match_recurrence(monkeypatch, shape, chunk, max_deca
   check_against_recurrence(inputs, reset_rate > 0, platform="gpu", chunk_size=chunk)
 
 
+def test_heads_too_wide_for_the_factorised_kernels_take_gla_gpu(monkeypatch):
+  # GLA 1.3B's heads (K 256, V 512) exceed the per-chunk kernels' shared memory on an H100:
+  # chunk_gla takes gla_gpu there (still correct); GLA 340M's (128, 256) keep the fast path.
+  assert gla_gpu_fact.supported(128, 256, 64) and not gla_gpu_fact.supported(256, 512, 64)
+  use_gpu_impl(monkeypatch, "fact")
+
+  def fail(*args, **kwargs):
+    raise AssertionError("gla_gpu_fact used for a head it does not support")
+
+  monkeypatch.setattr(gla_gpu_fact, "gla", fail)
+  inputs = random_inputs(5, 1, 20, 1, 256, 512)
+  check_against_recurrence(inputs, False, platform="gpu", chunk_size=16)
+
+
 def test_factorised_branch_alone_overflows_under_strong_decay(monkeypatch):
   # The exact branch is what keeps e^-20-per-step gates finite: without it they fail.
   use_gpu_impl(monkeypatch, "fact")
