@@ -77,7 +77,7 @@ def chunk_gla(q, k, v, log_g, h0=None, *, scale=None, reset=None, chunk_size=64,
     s0 = jnp.zeros((bsz, h, dk, dv), F32) if h0 is None else h0.astype(F32)
     rc = None if reset is None else chunk_reset_counts(pad(reset), c)
     args = (pad(q), pad(k.astype(q.dtype)), pad(v.astype(q.dtype)), pad(log_g), s0, rc)
-    if GPU_IMPL == "fact" and gla_gpu_fact.supported(dk, dv, c):
+    if GPU_IMPL == "fact" and gla_gpu_fact.supported(dk, dv, c, q.dtype, plan.interpret):
       o, s_last = gla_gpu_fact.gla(scale, c, plan.interpret, *args)
     else:
       o, s_last = gla_gpu.gla(scale, c, plan.interpret, gla_gpu.intra_impl(), *args)

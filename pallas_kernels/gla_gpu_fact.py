@@ -37,8 +37,9 @@ counts, keys reach the chunk end only with the chunk's last count (the largest: 
 grow within a chunk), a chunk with a document start passes no state on (`_reset_masks`).
 
 Triton needs power-of-two blocks and dots at least 16 wide: `supported` says when this path
-applies (K and V powers of two >= 16, C a power of two >= 16, K x V at most MAX_HEAD: wider
-heads' tiles exceed the shared memory); chunk_gla uses gla_gpu otherwise.
+applies (K and V powers of two >= 16, C a power of two >= 16, and on a GPU 16-bit inputs with
+K x V at most MAX_HEAD: other tiles exceed the shared memory); chunk_gla uses gla_gpu
+otherwise.
 """
 
 import functools
@@ -83,14 +84,26 @@ def split(kd: int, vd: int) -> int:
   return SPLIT or (128 if max(kd, vd) >= 256 else 64)
 
 
-# The largest head (K x V) the per-chunk kernels' tiles fit in an H100's shared memory: GLA
-# 340M's 128 x 256 runs; GLA 1.3B's 256 x 512 asked for 256 KiB of the 227 KiB available.
-MAX_HEAD = 128 * 256
+# The largest head (K x V) whose tiles fit in an H100's shared memory, 16-bit inputs only:
+# GLA 1.3B's 256 x 512 in bfloat16 runs (with the dq/dk kernel's loop over V); in float32
+# even GLA 340M's 128 x 256 asked for 256 KiB of the 227 KiB available.
+MAX_HEAD = 256 * 512
+# Columns of V per step of the dq/dk kernel's loops over V (_sum_over_v).
+V_STEP = 256
 
 
-def supported(kd: int, vd: int, chunk: int) -> bool:
+def supported(kd: int, vd: int, chunk: int, dtype, interpret: bool = False) -> bool:
+  """Whether this path runs these shapes: Triton's power-of-two tiles, and on a GPU (not in
+  interpret mode) tiles that fit the shared memory (fits_shared_memory)."""
   pow2 = lambda n: n >= 16 and n & (n - 1) == 0
-  return pow2(kd) and pow2(vd) and pow2(chunk) and kd * vd <= MAX_HEAD
+  return (pow2(kd) and pow2(vd) and pow2(chunk)
+          and (interpret or fits_shared_memory(kd, vd, dtype)))
+
+
+def fits_shared_memory(kd: int, vd: int, dtype) -> bool:
+  """16-bit inputs with K x V up to MAX_HEAD (measured on an H100: float32 tiles of GLA 340M's
+  heads already overflow it, and float32 takes gla_gpu)."""
+  return jnp.dtype(dtype).itemsize == 2 and kd * vd <= MAX_HEAD
 
 
 def _dot(a, b, contract, dtype):
@@ -262,7 +275,7 @@ _kernel_jit = functools.partial(jax.jit, static_argnames=("c", "scale", "interpr
 
 
 def _knobs():
-  return (LIMIT, SPLIT, STATE_BLOCK, STATE_STAGES, STATE_PREFETCH, NUM_WARPS)
+  return (LIMIT, SPLIT, STATE_BLOCK, STATE_STAGES, STATE_PREFETCH, NUM_WARPS, V_STEP)
 
 
 @functools.partial(jax.jit, static_argnames=("c", "reverse", "scale", "interpret", "knobs"))
@@ -394,6 +407,18 @@ def _dv_kernel(*refs, scale, c, has_resets):
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
+def _sum_over_v(vd, product):
+  """sum over column blocks of V of product(cols), V_STEP columns at a time: whole V tiles of
+  wide heads overflow the shared memory (GLA 1.3B's 512-wide V asked for 256 KiB of the
+  H100's 227)."""
+  step = min(vd, V_STEP)
+  if vd == step:
+    return product(slice(None))
+  first = product(pl.ds(0, step))
+  add = lambda j, acc: acc + product(pl.ds(pl.multiple_of(j * step, step), step))
+  return lax.fori_loop(1, vd // step, add, first)
+
+
 def _dqk_kernel(*refs, scale, c, has_resets):
   (q_ref, k_ref, v_ref, g_ref, do_ref, st_ref, dst_ref), (rc_ref, rr_ref), (
       dq_ref, dk_ref, within_ref) = _split_refs(refs, 7, has_resets)
@@ -401,13 +426,15 @@ def _dqk_kernel(*refs, scale, c, has_resets):
   keep, sees_state, reaches_end = _masks(rc_ref, rr_ref, c)
   q = q_ref[...].astype(F32)
   k = k_ref[...].astype(F32)
-  v, do = v_ref[...], do_ref[...]
   qs = q * scale
   b, tot = _gates(g_ref[...])
-  da = jnp.where(keep, _dot(do, v, (1, 1), dt), 0.0)                # [C t, C u]
-  dqs, dk, x = _attention_grads(da, qs, k, b, tot, dt)
-  dqs_in = _masked(jnp.exp(b), sees_state) * _dot(do, st_ref[...], (1, 0), dt)
-  dk_out = _masked(jnp.exp(tot - b), reaches_end) * _dot(v, dst_ref[...], (1, 0), dt)
+  vd = v_ref.shape[1]
+  da = _sum_over_v(vd, lambda cols: _dot(do_ref[:, cols], v_ref[:, cols], (1, 1), dt))
+  dqs, dk, x = _attention_grads(jnp.where(keep, da, 0.0), qs, k, b, tot, dt)  # [C t, C u]
+  do_st = _sum_over_v(vd, lambda cols: _dot(do_ref[:, cols], st_ref[cols, :], (1, 0), dt))
+  dqs_in = _masked(jnp.exp(b), sees_state) * do_st
+  v_dst = _sum_over_v(vd, lambda cols: _dot(v_ref[:, cols], dst_ref[cols, :], (1, 0), dt))
+  dk_out = _masked(jnp.exp(tot - b), reaches_end) * v_dst
   dq = (dqs + dqs_in) * scale
   dk += dk_out
   x += qs * dqs_in - k * dk_out                                     # q dq - k dk: dL/d(b)

@@ -190,7 +190,8 @@ def test_resets_match_recurrence():
 # per step takes it on its own), both in one call (max decay 3: chunks of 32 straddle the
 # limit), resets, h0, T not a multiple of the chunk, K != V, T = 1, B and H > 1; column blocks
 # of 16 (SPLIT) over K and V wider than that, with resets; the state kernels with prefetching;
-# GLA 340M's head (K 128, V 256: 64-wide state tiles and 128-wide column blocks by default).
+# GLA 340M's head (K 128, V 256: 64-wide state tiles and 128-wide column blocks by default);
+# the dq/dk kernel's loop over V in steps narrower than V.
 @pytest.mark.parametrize("shape, chunk, max_decay, reset_rate, limit, split", [
     ((2, 45, 2, 16, 32), 16, 1.0, 0.0, None, 64),
     ((1, 100, 2, 32, 16), 32, 3.0, 0.0, None, 64),
@@ -201,6 +202,7 @@ def test_resets_match_recurrence():
     ((1, 60, 2, 32, 64), 32, 1.0, 0.05, None, 16),
     ((2, 100, 1, 16, 32), 16, 1.0, 0.05, None, "prefetch"),
     ((1, 130, 1, 128, 256), 64, 1.0, 0.05, None, "default"),
+    ((1, 60, 2, 16, 64), 32, 1.0, 0.05, None, "v_step"),
 ])
 def test_factorised_kernels_match_recurrence(monkeypatch, shape, chunk, max_decay, reset_rate,
                                              limit, split):
@@ -208,6 +210,8 @@ def test_factorised_kernels_match_recurrence(monkeypatch, shape, chunk, max_deca
   monkeypatch.setattr(gla_gpu, "gla", None)  # would fail if chunk_gla fell back to it
   if split == "prefetch":  # the state kernels' loop with the next chunk's tiles loaded ahead
     monkeypatch.setattr(gla_gpu_fact, "STATE_PREFETCH", True)
+  elif split == "v_step":  # the dq/dk kernel's products over V, 16 columns at a time
+    monkeypatch.setattr(gla_gpu_fact, "V_STEP", 16)
   elif split == "default":
     kd, vd = shape[-2:]
     assert (gla_gpu_fact.state_block(kd, vd), gla_gpu_fact.split(kd, vd)) == (64, 128)
@@ -219,18 +223,24 @@ def test_factorised_kernels_match_recurrence(monkeypatch, shape, chunk, max_deca
   check_against_recurrence(inputs, reset_rate > 0, platform="gpu", chunk_size=chunk)
 
 
-def test_heads_too_wide_for_the_factorised_kernels_take_gla_gpu(monkeypatch):
-  # GLA 1.3B's heads (K 256, V 512) exceed the per-chunk kernels' shared memory on an H100:
-  # chunk_gla takes gla_gpu there (still correct); GLA 340M's (128, 256) keep the fast path.
-  assert gla_gpu_fact.supported(128, 256, 64) and not gla_gpu_fact.supported(256, 512, 64)
+def test_shapes_whose_tiles_overflow_the_shared_memory_take_gla_gpu(monkeypatch):
+  # Measured on an H100: bfloat16 up to GLA 1.3B's heads (K 256, V 512) fits; float32 does not
+  # even at GLA 340M's (128, 256). Interpret mode has no shared memory to overflow.
+  fits = gla_gpu_fact.supported
+  assert fits(128, 256, 64, jnp.bfloat16) and fits(256, 512, 64, jnp.bfloat16)
+  assert not fits(512, 512, 64, jnp.bfloat16) and not fits(128, 256, 64, jnp.float32)
+  assert fits(128, 256, 64, jnp.float32, interpret=True) and not fits(24, 32, 16, jnp.bfloat16)
   use_gpu_impl(monkeypatch, "fact")
 
   def fail(*args, **kwargs):
-    raise AssertionError("gla_gpu_fact used for a head it does not support")
+    raise AssertionError("gla_gpu_fact used for shapes it does not support")
 
   monkeypatch.setattr(gla_gpu_fact, "gla", fail)
-  inputs = random_inputs(5, 1, 20, 1, 256, 512)
-  check_against_recurrence(inputs, False, platform="gpu", chunk_size=16)
+  monkeypatch.setattr(gla_gpu_fact, "fits_shared_memory", lambda *a: False)
+  # As on a GPU: the interpret flag chunk_gla passes is ignored.
+  monkeypatch.setattr(gla_gpu_fact, "supported", lambda kd, vd, c, dtype, _: fits(kd, vd, c, dtype))
+  check_against_recurrence(random_inputs(5, 1, 20, 1, 32, 64), False, platform="gpu",
+                           chunk_size=16)
 
 
 def test_factorised_branch_alone_overflows_under_strong_decay(monkeypatch):
