@@ -290,7 +290,8 @@ def _states(x, y, g, rc, init, *, c, reverse, scale, interpret, knobs):
   bsz, tp, h, kd = x.shape
   vd = y.shape[-1]
   nt = tp // c
-  bv, bk = min(vd, state_block(kd, vd)), min(kd, state_block(kd, vd))
+  width = state_block(kd, vd)
+  bv, bk = min(vd, width), min(kd, width)
   nk = kd // bk
   whole = lambda w, col: pl.BlockSpec((None, tp, None, w), lambda i, j, s: (i, 0, j, col(s)))
   kcol, vcol = (lambda s: s % nk), (lambda s: s // nk)
@@ -452,7 +453,8 @@ def _grads(q, k, v, g, do, rc, st, dst, *, scale, c, interpret, knobs):
   del knobs  # a cache key (see _knobs)
   bsz, tp, h, kd = q.shape
   vd = v.shape[-1]
-  bv, bk = min(vd, split(kd, vd)), min(kd, split(kd, vd))
+  block = split(kd, vd)
+  bv, bk = min(vd, block), min(kd, block)
   sp = _Specs(c, rc)
   nt = tp // c
   dv = _call(_dv_kernel, sp, (bsz, h, nt, vd // bv),

@@ -202,17 +202,12 @@ def validate(config: ml_collections.ConfigDict, *, process_count: int = 1,
       if not errors and cfg.vocab_size < vocab:
         errors.append(f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
                       f"{vocab} ids")
-      if not errors and cfg.attention_impl == "cudnn" and _has_attention(cfg):
+      if not errors and cfg.attention_impl == "cudnn" and cfg.has_attention:
         errors += _cudnn_errors(cfg)
       if not errors and config.init_from:
         errors += _init_from_errors(config.init_from, cfg)
   if errors:
     raise ConfigError("\n".join(errors))
-
-
-def _has_attention(cfg: model_lib.ModelConfig) -> bool:
-  """Whether ``model.attention_impl`` matters (a GLA or Hawk model ignores it)."""
-  return any(t in ("attention", "global_attention") for t in cfg.resolved_block_types)
 
 
 def _cudnn_errors(cfg: model_lib.ModelConfig) -> list[str]:

@@ -8,6 +8,7 @@ block is the recurrent block (RG-LRU), MQA attention (local or global) or GLA.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Any
 
@@ -99,6 +100,12 @@ class ModelConfig:
                                   self.num_layers))
 
   @property
+  def has_attention(self) -> bool:
+    """Whether any block is (local or global) attention: only then do the attention settings
+    (heads dividing the width, ``attention_impl``) matter."""
+    return any(t in ("attention", "global_attention") for t in self.resolved_block_types)
+
+  @property
   def resolved_lru_width(self) -> int:
     return self.lru_width or self.width
 
@@ -170,7 +177,7 @@ class ModelConfig:
     if self.block_types is not None and len(types) != self.num_layers:
       out.append(f"model.block_types has {len(types)} entries but model.num_layers="
                  f"{self.num_layers}")
-    if any(t in ("attention", "global_attention") for t in types):
+    if self.has_attention:
       if self.width % self.num_heads:
         out.append(f"model.num_heads={self.num_heads} does not divide model.width="
                    f"{self.width}")
@@ -303,9 +310,8 @@ class Model(nnx.Module):
     self.cfg = cfg
     keys = _part_keys(rngs.params(), len(cfg.resolved_block_types))
     self.embedder = _embedder(cfg, keys[0])
-    self.blocks = nnx.List([ResidualBlock(t, cfg, rngs=nnx.Rngs(params=k))
-                            for t, k in zip(cfg.resolved_block_types, keys[1:])])
-    self.final_norm = layers.RMSNorm(cfg.width, param_dtype=DTYPES[cfg.param_dtype])
+    self.blocks = nnx.List([_block(cfg, t, k) for t, k in zip(cfg.resolved_block_types, keys[1:])])
+    self.final_norm = _final_norm(cfg)
 
   def __call__(
       self,
@@ -368,6 +374,14 @@ def _embedder(cfg: ModelConfig, key) -> layers.Embedder:
                          dtype=DTYPES[cfg.dtype])
 
 
+def _block(cfg: ModelConfig, block_type: str, key) -> ResidualBlock:
+  return ResidualBlock(block_type, cfg, rngs=nnx.Rngs(params=key))
+
+
+def _final_norm(cfg: ModelConfig) -> layers.RMSNorm:
+  return layers.RMSNorm(cfg.width, param_dtype=DTYPES[cfg.param_dtype])
+
+
 def init_model(cfg: ModelConfig, seed: int = 0) -> Model:
   return Model(cfg, rngs=nnx.Rngs(params=seed))
 
@@ -383,32 +397,25 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings=None) -> nnx.State:
   """
   model = nnx.eval_shape(lambda: init_model(cfg, seed))
   keys = _part_keys(nnx.Rngs(params=seed).params(), len(cfg.resolved_block_types))
+  sharding = lambda *path: None if shardings is None else functools.reduce(
+      lambda sub, name: sub[name], path, shardings)
+  programs = {}
 
-  def part_sharding(*path):
-    if shardings is None:
-      return None
-    sub = shardings
-    for name in path:
-      sub = sub[name]
-    return sub
-
-  def make(build, sharding, *args):
-    return jax.jit(lambda *a: nnx.state(build(*a)), out_shardings=sharding)(*args)
+  def made(kind, build, out_shardings, *args):
+    """build(*args)'s parameters, through one jitted program per kind and sharding."""
+    signature = (kind, tuple(jax.tree.leaves(out_shardings)))
+    if signature not in programs:
+      programs[signature] = jax.jit(lambda *a: nnx.state(build(*a)),
+                                    out_shardings=out_shardings)
+    return programs[signature](*args)
 
   nnx.update(model.embedder,
-             make(lambda k: _embedder(cfg, k), part_sharding("embedder"), keys[0]))
-  block_init = {}
+             made("embedder", functools.partial(_embedder, cfg), sharding("embedder"), keys[0]))
   for i, (block_type, key) in enumerate(zip(cfg.resolved_block_types, keys[1:])):
-    sharding = part_sharding("blocks", i)
-    signature = (block_type, tuple(jax.tree.leaves(sharding)))
-    if signature not in block_init:
-      block_init[signature] = jax.jit(
-          lambda k, t=block_type: nnx.state(ResidualBlock(t, cfg, rngs=nnx.Rngs(params=k))),
-          out_shardings=sharding)
-    nnx.update(model.blocks[i], block_init[signature](key))
-  nnx.update(model.final_norm, make(
-      lambda: layers.RMSNorm(cfg.width, param_dtype=DTYPES[cfg.param_dtype]),
-      part_sharding("final_norm")))
+    nnx.update(model.blocks[i], made(block_type, functools.partial(_block, cfg, block_type),
+                                     sharding("blocks", i), key))
+  nnx.update(model.final_norm,
+             made("final_norm", functools.partial(_final_norm, cfg), sharding("final_norm")))
   return nnx.state(model)
 
 
