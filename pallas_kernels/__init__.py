@@ -1,4 +1,16 @@
-"""Pallas kernels for the recurrent layers, each with a pure-JAX reference beside it."""
-from pallas_kernels.linear_scan import (linear_scan, linear_scan_reference, rg_lru,
-                                        rg_lru_reference, sequence_parallel_linear_scan)
-from pallas_kernels.chunk_gla import chunk_gla, gla_recurrent_step, gla_reference
+"""Pallas kernels, one package per operation, each with a pure-JAX reference beside it.
+
+- ``rg_lru``: the linear scan and the fused RG-LRU layer (Mosaic TPU, Triton and Mosaic GPU).
+- ``gla``: chunkwise Gated Linear Attention (Mosaic TPU, Triton GPU).
+- ``gates``: the RG-LRU's block-diagonal gate matmuls (Triton GPU).
+- ``attention``: splash attention on TPU.
+- ``dispatch``: which kernel runs on which platform (the platform compiled for, not the host).
+"""
+
+from pallas_kernels.gla import chunk_gla, gla_recurrent_step, gla_reference
+from pallas_kernels.rg_lru import (linear_scan, linear_scan_reference, rg_lru, rg_lru_reference,
+                                   sequence_parallel_linear_scan)
+
+__all__ = ["chunk_gla", "gla_recurrent_step", "gla_reference", "linear_scan",
+           "linear_scan_reference", "rg_lru", "rg_lru_reference",
+           "sequence_parallel_linear_scan"]

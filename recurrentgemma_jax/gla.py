@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels import dispatch
 from recurrentgemma_jax import layers
 from sharding import partitioning
 
@@ -81,7 +82,7 @@ class GLABlock(nnx.Module):
       o, state = pallas_kernels.gla_recurrent_step(q[:, 0], k[:, 0], v[:, 0], log_g[:, 0], h0)
       return o[:, None], state
     use_kernel = self.impl == "pallas" or (
-        self.impl == "auto" and jax.default_backend() in ("tpu", "gpu"))
+        self.impl == "auto" and dispatch.target_platform() in ("tpu", "gpu"))
     if use_kernel:
       # Per device under a mesh: rows over ``data``, heads over ``model``.
       bthk, bhkv = ("batch", None, "heads", None), ("batch", "heads", None, None)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels import dispatch
 from sharding import partitioning
 
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
@@ -98,7 +99,8 @@ class BlockDiagonalLinear(nnx.Module):
                param_dtype=jnp.float32, dtype=jnp.float32, impl: str = "xla"):
     self.num_blocks = num_blocks
     self.dtype = dtype
-    self.impl = impl  # xla | pallas (pallas_kernels.block_diagonal; interpreted off GPUs)
+    # xla | pallas (pallas_kernels.gates: Triton, interpreted on a CPU; a TPU takes XLA's).
+    self.impl = impl
     self.w = param(rngs, fan_in_normal(1.0),
                    (num_blocks, width_in // num_blocks, width_out // num_blocks), param_dtype,
                    ("blocks", None, None))
@@ -108,13 +110,13 @@ class BlockDiagonalLinear(nnx.Module):
     x = x.astype(self.dtype)
     w = self.w.value.astype(self.dtype)
     bias = self.b.value.astype(self.dtype).reshape(-1)
-    if self.impl == "pallas":
-      from pallas_kernels import block_diagonal  # pylint: disable=g-import-not-at-top
-      if block_diagonal.supported(*w.shape[1:]):
+    platform = dispatch.target_platform()
+    if self.impl == "pallas" and platform != "tpu":
+      from pallas_kernels import gates  # pylint: disable=g-import-not-at-top
+      if gates.supported(*w.shape[1:]):
         # Per device under a mesh: a device's channels are whole blocks (``blocks``).
         rows = ("batch",) + (None,) * (x.ndim - 2) + ("blocks",)
-        matmul = functools.partial(block_diagonal.block_diagonal_matmul,
-                                   interpret=jax.default_backend() != "gpu")
+        matmul = functools.partial(gates.block_diagonal_matmul, interpret=platform != "gpu")
         return partitioning.shard_local(matmul, (rows, ("blocks", None, None)), rows)(x, w) + bias
     xb = x.reshape(*x.shape[:-1], self.num_blocks, -1)
     y = jnp.einsum("...hi,hij->...hj", xb, w)

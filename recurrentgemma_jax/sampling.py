@@ -100,7 +100,7 @@ def compiled_sampler(model, prompts: Sequence[Sequence[int]],
                      params: SamplingParams = SamplingParams(), *, pad_id: int = 0):
   """``(run, args)``: ``sample``'s prefill and decode loop for these prompts, compiled ahead of
   time; ``run(*args)`` returns ``(new_tokens, done, None)`` as device arrays. For timing decoding
-  without compilation (``scripts/bench_decode.py``)."""
+  without compilation (``scripts/bench/bench_decode.py``)."""
   tokens, segment_pos, lengths = left_pad(prompts, pad_id)
   graphdef, state = nnx.split(model)
   compiled = _generate.lower(graphdef, state, tokens, segment_pos, lengths, params=params,

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from pallas_kernels import dispatch
 from sharding import partitioning
 
 SCAN_IMPLS = ("auto", "pallas", "xla_linear", "xla_associative")
@@ -29,7 +30,7 @@ def resolve_impl(impl: str) -> str:
   if impl not in SCAN_IMPLS:
     raise ValueError(f"scan impl {impl!r} is not one of {'|'.join(SCAN_IMPLS)}")
   if impl == "auto":
-    return "pallas" if jax.default_backend() in ("tpu", "gpu") else "xla_linear"
+    return "pallas" if dispatch.target_platform() in ("tpu", "gpu") else "xla_linear"
   return impl
 
 

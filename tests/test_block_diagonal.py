@@ -1,4 +1,4 @@
-"""The block-diagonal gate kernel (pallas_kernels.block_diagonal) against a float64 reference,
+"""The block-diagonal gate kernel (pallas_kernels.gates) against a float64 reference,
 forward and backward, in Pallas' interpreter on the CPU; and a model using it."""
 
 import dataclasses
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pallas_kernels import block_diagonal
+from pallas_kernels.gates import block_diagonal
 from recurrentgemma_jax import model as model_lib
 
 

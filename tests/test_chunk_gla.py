@@ -1,18 +1,15 @@
 """chunk_gla (Pallas, interpret mode on the CPU) against a float64 NumPy step-by-step recurrence."""
 
-import sys
-
 import numpy as np
 import pytest
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import gla_gpu
-from pallas_kernels import gla_gpu_fact
-from pallas_kernels import gla_gpu_intra
-from pallas_kernels.chunk_gla import chunk_gla
-from pallas_kernels.gla_reference import gla_recurrent_step, gla_reference
+from pallas_kernels import dispatch
+from pallas_kernels.gla import chunk_gla, gla_recurrent_step, gla_reference
+from pallas_kernels.gla import gpu as gla_gpu_fact
+from pallas_kernels.gla import gpu_xla as gla_gpu
 
 
 def recurrence(q, k, v, log_g, h0, scale, reset, do, dh_last):
@@ -71,8 +68,7 @@ def lowered_for_cuda(gla, dtype, dh, with_reset, b=1, t=256, h=2, c=64):
 
 
 def use_gpu_impl(monkeypatch, impl):
-  # (the package exports the function under the module's name, hence sys.modules)
-  monkeypatch.setattr(sys.modules["pallas_kernels.chunk_gla"], "GPU_IMPL", impl)
+  monkeypatch.setattr(dispatch, "GLA_GPU_IMPL", impl)
 
 
 def check_against_recurrence(inputs, with_reset, **kw):
@@ -103,74 +99,6 @@ def check_against_recurrence(inputs, with_reset, **kw):
 def test_matches_recurrence(platform, shape, chunk):
   inputs = random_inputs(sum(shape), *shape)
   check_against_recurrence(inputs, False, platform=platform, chunk_size=chunk)
-
-
-def test_previous_gpu_kernels_still_match(monkeypatch):
-  # chunk_gla.GPU_IMPL = "pallas": the four Triton kernels of gla_calls (kept for comparison).
-  use_gpu_impl(monkeypatch, "pallas")
-  inputs = random_inputs(23, 1, 45, 2, 16, 8, max_decay=20.0)
-  check_against_recurrence(inputs, False, platform="gpu", chunk_size=32)
-
-
-# gla_gpu.INTRA = "pallas": the per-chunk Triton kernels of gla_gpu_intra (forward A and o;
-# backward dq, dk, dv, chunk-local d log_g), in Pallas interpret mode; h0 always given.
-# (B, T, H, K, V), chunk, max decay, reset rate: T not a multiple of the chunk, K != V, V < 16
-# and K not a power of two (zero-padded inside), one / two / four sub-chunks, gates down to
-# e^-20 per step, resets (masks across sub-chunks), four chunks (states from both neighbours),
-# B and H both > 1.
-@pytest.mark.parametrize("shape, chunk, max_decay, reset_rate", [
-    ((1, 45, 2, 16, 8), 32, 1.0, 0.0),
-    ((1, 70, 1, 32, 16), 64, 20.0, 0.0),
-    ((2, 50, 1, 12, 20), 32, 1.0, 0.1),
-    ((1, 60, 2, 16, 16), 64, 20.0, 0.08),
-    ((2, 50, 2, 16, 16), 16, 1.0, 0.0),
-])
-def test_pallas_intra_kernels_match_recurrence(monkeypatch, shape, chunk, max_decay, reset_rate):
-  use_gpu_impl(monkeypatch, "xla")
-  monkeypatch.setattr(gla_gpu, "INTRA", "pallas")
-  inputs = random_inputs(sum(shape) + chunk, *shape, max_decay=max_decay, reset_rate=reset_rate)
-  check_against_recurrence(inputs, reset_rate > 0, platform="gpu", chunk_size=chunk)
-
-
-def test_pallas_intra_kpieces_diagonal_matches_recurrence(monkeypatch):
-  # gla_gpu_intra.DIAG = "kpieces": the forward's diagonal blocks in 16-column pieces of K.
-  use_gpu_impl(monkeypatch, "xla")
-  monkeypatch.setattr(gla_gpu, "INTRA", "pallas")
-  monkeypatch.setattr(gla_gpu_intra, "DIAG", "kpieces")
-  inputs = random_inputs(31, 1, 50, 1, 24, 16, max_decay=20.0, reset_rate=0.08)
-  check_against_recurrence(inputs, True, platform="gpu", chunk_size=32)
-
-
-def test_pallas_intra_kernels_bfloat16_match_xla(monkeypatch):
-  q, k, v, log_g, h0, reset, do, _ = random_inputs(29, 1, 64, 2, 16, 16, reset_rate=0.05)
-  bf = lambda x: jnp.asarray(x, jnp.bfloat16)
-
-  use_gpu_impl(monkeypatch, "xla")
-
-  def grads(intra):
-    monkeypatch.setattr(gla_gpu, "INTRA", intra)
-    loss = lambda *a: jnp.sum(chunk_gla(*a, reset=jnp.asarray(reset), chunk_size=32,
-                                        platform="gpu")[0].astype(jnp.float32) * do)
-    return jax.jit(jax.value_and_grad(loss, argnums=range(5)))(bf(q), bf(k), bf(v), log_g, h0)
-
-  (l_x, g_x), (l_p, g_p) = grads("xla"), grads("pallas")
-  assert abs(float(l_p) - float(l_x)) <= 1e-2 * abs(float(l_x)) + 1e-2
-  for got, want in zip(g_p, g_x):
-    assert got.dtype == want.dtype
-    assert rel_err(np.asarray(got, np.float32), np.asarray(want, np.float64)) < 2e-2
-
-
-@pytest.mark.parametrize("dtype, dh, with_reset, diag", [("bfloat16", 64, True, "rows"),
-                                                         ("float32", 128, False, "kpieces")])
-def test_pallas_intra_kernels_lower_to_triton(monkeypatch, dtype, dh, with_reset, diag):
-  # No GPU here: check that forward + backward lower for CUDA (Pallas -> Triton IR), which
-  # catches unsupported primitives and block shapes before the first GPU run.
-  monkeypatch.setattr(gla_gpu, "INTRA", "pallas")
-  monkeypatch.setattr(gla_gpu_intra, "DIAG", diag)
-  # gla_gpu.gla directly: chunk_gla always interprets on a CPU backend.
-  text = lowered_for_cuda(lambda c, *a: gla_gpu.gla(dh**-0.5, c, False, gla_gpu.intra_impl(), *a),
-                          dtype, dh, with_reset)
-  assert text.count("@__gpu$xla.gpu.triton") == 4  # the two scans and the two GLA kernels
 
 
 @pytest.mark.parametrize("platform", ["tpu", "gpu"])

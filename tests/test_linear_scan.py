@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from pallas_kernels import rg_lru_fused, scan_core, scan_linear, scan_mosaic_gpu, scan_reference
+from pallas_kernels.rg_lru import blocked, gpu_mosaic, reference
+from pallas_kernels.rg_lru.fused import rg_lru_with_config
+from pallas_kernels.rg_lru.scan import linear_scan_with_config
 
-TPU_SMALL_BLOCKS = scan_core.ScanConfig(backend="tpu", interpret=True, block_b=2, block_t=32,
+TPU_SMALL_BLOCKS = blocked.ScanConfig(backend="tpu", interpret=True, block_b=2, block_t=32,
                                         block_d=128)
-GPU_INTERPRET = scan_core.ScanConfig(backend="gpu", interpret=True, gpu_block_d=64, gpu_chunk=8)
+GPU_INTERPRET = blocked.ScanConfig(backend="gpu", interpret=True, gpu_block_d=64, gpu_chunk=8)
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
 
@@ -51,7 +53,7 @@ def check_scan(scan, shape, dtype, reverse, with_h0, seed):
   assert h_last.dtype == jnp.float32 and h_last.shape == h0.shape
   grads = vjp((dy, dh_last))
   with jax.enable_x64(True):
-    ref_fn = lambda *v: scan_reference.linear_scan_reference(*v, reverse=reverse)
+    ref_fn = lambda *v: reference.linear_scan_reference(*v, reverse=reverse)
     (y_ref, h_ref), ref_vjp = jax.vjp(ref_fn, *map(f64, args))
     ref_grads = ref_vjp((f64(dy), f64(dh_last)))
   tol = TOLERANCE[dtype]
@@ -78,22 +80,22 @@ def test_linear_scan_public_entry(shape, dtype, reverse, with_h0):
 ])
 def test_linear_scan_kernels_across_blocks(config, reverse):
   def scan(x, a, h0, reverse):
-    return scan_linear.linear_scan_with_config(x, a, h0, reverse, config)
+    return linear_scan_with_config(x, a, h0, reverse, config)
   check_scan(scan, (3, 75, 200), jnp.float32, reverse, True, seed=7)
 
 
 def test_linear_scan_bfloat16_gpu_kernel():
   def scan(x, a, h0, reverse):
-    return scan_linear.linear_scan_with_config(x, a, h0, reverse, GPU_INTERPRET)
+    return linear_scan_with_config(x, a, h0, reverse, GPU_INTERPRET)
   check_scan(scan, (2, 33, 70), jnp.bfloat16, False, True, seed=3)
 
 
 def test_linear_scan_gpu_kernel_deeper_prefetch():
   # Three chunks loaded ahead of the one computed: clamped reloads at the end, then the tail.
-  config = scan_core.ScanConfig(backend="gpu", interpret=True, gpu_block_d=64, gpu_chunk=4,
+  config = blocked.ScanConfig(backend="gpu", interpret=True, gpu_block_d=64, gpu_chunk=4,
                                 gpu_prefetch=3)
   def scan(x, a, h0, reverse):
-    return scan_linear.linear_scan_with_config(x, a, h0, reverse, config)
+    return linear_scan_with_config(x, a, h0, reverse, config)
   check_scan(scan, (2, 30, 70), jnp.bfloat16, True, True, seed=5)
 
 
@@ -103,11 +105,11 @@ def test_mosaic_gpu_scan_forward(dtype, reverse):
   # last time tile and a partial channel block (T=37, D=200 with 8-row tiles, 128 channels).
   shape = (2, 37, 200)
   x, a, h0, _ = scan_inputs(11, shape, dtype)
-  y, h_last = scan_mosaic_gpu.linear_scan_mgpu(x, a, h0, reverse=reverse, rows=8, block_d=128,
+  y, h_last = gpu_mosaic.linear_scan_mgpu(x, a, h0, reverse=reverse, rows=8, block_d=128,
                                                stages=3, interpret=True)
   assert y.dtype == dtype and y.shape == shape and h_last.dtype == jnp.float32
   with jax.enable_x64(True):
-    y_ref, h_ref = scan_reference.linear_scan_reference(f64(x), f64(a), f64(h0),
+    y_ref, h_ref = reference.linear_scan_reference(f64(x), f64(a), f64(h0),
                                                         reverse=reverse)
   assert rel_err(y, y_ref) < TOLERANCE[dtype]
   assert rel_err(h_last, h_ref) < 1e-5
@@ -117,10 +119,10 @@ def test_mosaic_gpu_scan_forward(dtype, reverse):
 def test_linear_scan_with_the_mosaic_gpu_forward(reverse):
   # linear_scan's custom VJP with the Mosaic GPU forward (its interpreter) and the Triton
   # backward (Pallas' interpreter): values and gradients against float64.
-  config = scan_core.ScanConfig(backend="gpu", interpret=True, gpu_block_d=64, gpu_chunk=4,
+  config = blocked.ScanConfig(backend="gpu", interpret=True, gpu_block_d=64, gpu_chunk=4,
                                 gpu_forward="mosaic")
   def scan(x, a, h0, reverse):
-    return scan_linear.linear_scan_with_config(x, a, h0, reverse, config)
+    return linear_scan_with_config(x, a, h0, reverse, config)
   check_scan(scan, (2, 45, 136), jnp.bfloat16, reverse, True, seed=13)
 
 
@@ -129,13 +131,13 @@ def test_mosaic_gpu_scan_defaults_and_choice():
   # D, in the interpreter; and the forward is Mosaic GPU only where TMA exists.
   shape = (1, 150, 200)
   x, a, h0, _ = scan_inputs(12, shape, jnp.bfloat16)
-  y, h_last = scan_mosaic_gpu.linear_scan_mgpu(x, a, h0, interpret=True)
+  y, h_last = gpu_mosaic.linear_scan_mgpu(x, a, h0, interpret=True)
   with jax.enable_x64(True):
-    y_ref, h_ref = scan_reference.linear_scan_reference(f64(x), f64(a), f64(h0))
+    y_ref, h_ref = reference.linear_scan_reference(f64(x), f64(a), f64(h0))
   assert rel_err(y, y_ref) < TOLERANCE[jnp.bfloat16] and rel_err(h_last, h_ref) < 1e-5
-  assert [scan_mosaic_gpu.tma_capable(c) for c in ("8.0", "8.9", "9.0", "10.0")] == [
+  assert [gpu_mosaic.tma_capable(c) for c in ("8.0", "8.9", "9.0", "10.0")] == [
       False, False, True, True]
-  assert not scan_mosaic_gpu.supports(jnp.zeros((1, 4, 7), jnp.bfloat16),
+  assert not gpu_mosaic.supports(jnp.zeros((1, 4, 7), jnp.bfloat16),
                                       jnp.zeros((1, 4, 7), jnp.bfloat16))  # 14-byte rows
 
 
@@ -170,13 +172,13 @@ def test_rg_lru_fused_matches_unfused_layer(shape, dtype, config):
   if config is None:
     fused = lambda x, gx, ga, p, h0: pallas_kernels.rg_lru(x, gx, ga, p, reset, h0)
   else:
-    fused = lambda x, gx, ga, p, h0: rg_lru_fused.rg_lru_with_config(
+    fused = lambda x, gx, ga, p, h0: rg_lru_with_config(
         x, gx, ga, p, reset.astype(jnp.float32), h0, config)
   dh_last = jax.random.normal(jax.random.PRNGKey(0), args[-1].shape)
   (y, h_last), vjp = jax.vjp(fused, *args)
   grads = vjp((dy, dh_last))
   with jax.enable_x64(True):
-    unfused = lambda x, gx, ga, p, h0: scan_reference.rg_lru_reference(x, gx, ga, p, reset, h0)
+    unfused = lambda x, gx, ga, p, h0: reference.rg_lru_reference(x, gx, ga, p, reset, h0)
     (y_ref, h_ref), ref_vjp = jax.vjp(unfused, *map(f64, args))
     ref_grads = ref_vjp((f64(dy), f64(dh_last)))
   tol = TOLERANCE[dtype]

@@ -1,11 +1,12 @@
-"""scripts/profile_summary.py on a hand-made Perfetto trace: device streams counted once, kinds."""
+"""scripts/bench/profile_summary.py on a hand-made Perfetto trace: device streams counted once,
+kinds."""
 
 import gzip
 import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "bench"))
 
 import profile_summary  # pylint: disable=g-import-not-at-top,wrong-import-position
 

@@ -133,7 +133,7 @@ def test_synthetic_experiment_script_trains_evaluates_beyond_training_length(tmp
 def test_decode_benchmark_script_times_every_family(tmp_path):
   import json
   from helpers import run_script
-  run_script("bench_decode.py", "--tiny", f"--out={tmp_path}", "--vocab_size=64",
+  run_script("bench/bench_decode.py", "--tiny", f"--out={tmp_path}", "--vocab_size=64",
              "--new_tokens=8", "--prefill=16", "--latency_batch=2", "--batches=2,4",
              "--repeats=1")
   with open(tmp_path / "decode.json") as f:

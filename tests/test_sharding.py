@@ -265,7 +265,7 @@ def test_pallas_kernels_under_a_mesh_give_single_device_losses(kernels):
 
 def test_the_models_kernels_see_only_their_devices_shard(monkeypatch):
   import pallas_kernels  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import block_diagonal  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import gates  # pylint: disable=g-import-not-at-top
   seen = collections.defaultdict(set)
 
   def recording(name, fn):
@@ -276,8 +276,8 @@ def test_the_models_kernels_see_only_their_devices_shard(monkeypatch):
 
   monkeypatch.setattr(pallas_kernels, "linear_scan",
                       recording("scan", pallas_kernels.linear_scan))
-  monkeypatch.setattr(block_diagonal, "block_diagonal_matmul",
-                      recording("gates", block_diagonal.block_diagonal_matmul))
+  monkeypatch.setattr(gates, "block_diagonal_matmul",
+                      recording("gates", gates.block_diagonal_matmul))
   cfg = model_lib.ModelConfig(family="hawk", vocab_size=64, width=64, lru_width=64,
                               num_layers=1, num_heads=2, num_gate_blocks=2,
                               mlp_expanded_width=128, dtype="float32", scan_impl="pallas",

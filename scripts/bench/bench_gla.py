@@ -1,6 +1,6 @@
 """Times chunk_gla (forward, forward+backward) beside flash-linear-attention and cuDNN attention.
 
-    python scripts/bench_gla.py --out DIR [--shapes 8,2048,16,64 16,2048,4,128,256 ...]
+    python scripts/bench/bench_gla.py --out DIR [--shapes 8,2048,16,64 16,2048,4,128,256 ...]
         [--reps 20] [--check] [--intra fact,fact-pf,xla]
 
 Runs on a GPU. All inputs bfloat16; a shape is B,T,H,D (K = V = D) or B,T,H,K,V (cuDNN
@@ -8,9 +8,8 @@ attention, which needs K = V, is then left out). Times are medians: for JAX, of 
 back-to-back calls divided by the batch size (device time, host dispatch overlapped); for
 flash-linear-attention (fla.ops.gla.chunk_gla, if importable), of triton.testing.do_bench's CUDA
 events. `--intra` times chunk_gla's GPU path once per listed variant (see set_variant: "fact",
-the default, gla_gpu_fact's five kernels; "xla", gla_gpu with XLA's per-chunk part; "pallas",
-gla_gpu with gla_gpu_intra's kernels; options for warps, state tiles and stages, prefetch,
-diagonal), one column each;
+the default, gla.gpu's five kernels; "xla", gla.gpu_xla; options for warps, state tiles and
+stages, prefetch), one column each;
 `--check` checks every variant. A variant that fails (say, to compile) is reported in the
 notes and the run goes on; a misspelt one stops the run before anything is timed. Writes
 DIR/bench_gla.md (a markdown table with ratios) and DIR/bench_gla.json.
@@ -20,20 +19,18 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from pallas_kernels import gla_gpu
-from pallas_kernels import gla_gpu_fact
-from pallas_kernels import gla_gpu_intra
-from pallas_kernels.chunk_gla import chunk_gla
-from pallas_kernels.gla_reference import gla_reference
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-chunk_gla_module = sys.modules["pallas_kernels.chunk_gla"]  # the package re-exports the function
+from pallas_kernels import dispatch  # pylint: disable=g-import-not-at-top,wrong-import-position
+from pallas_kernels.gla import chunk_gla, gla_reference  # pylint: disable=g-import-not-at-top,wrong-import-position
+from pallas_kernels.gla import gpu as gla_gpu_fact  # pylint: disable=g-import-not-at-top,wrong-import-position
+from timing import time_fn  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 SHAPES = [(8, 2048, 16, 64), (4, 4096, 16, 64), (2, 8192, 16, 64), (1, 16384, 16, 64),
           (8, 2048, 8, 128), (2, 8192, 8, 128)]
@@ -53,19 +50,11 @@ def _inputs(shape, seed=0):
   return q, k, v, log_g.astype(jnp.bfloat16), do
 
 
-def _time_jax(f, args, reps, batch=5):
+def _time_jax(f, args, reps):
   t0 = time.perf_counter()
-  jax.block_until_ready(f(*args))  # compile and warm up
+  jax.block_until_ready(f(*args))  # compile
   print(f"  first call (compile) {time.perf_counter() - t0:.1f} s", flush=True)
-  jax.block_until_ready(f(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(batch):
-      out = f(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / batch)
-  return statistics.median(times) * 1e3
+  return time_fn(f, *args, iters=reps, calls=5, warmup=1)
 
 
 def _gla_fns():
@@ -119,23 +108,19 @@ def set_variant(variant):
   """A variant of chunk_gla's GPU path: "fact[-wN][-sbN][-stN][-spN][-pf]" (gla_gpu_fact, the
   default: N warps per per-chunk program, N-wide state tiles, N pipeline stages in the state
   kernels, N-wide column blocks of the per-chunk kernels, the state kernels' next tiles
-  prefetched), "xla" (gla_gpu with XLA's per-chunk part) or
-  "pallas[-wN][-kp]" (gla_gpu with gla_gpu_intra's kernels: N warps, "kpieces" diagonal with
-  -kp)."""
+  prefetched) or "xla" (gla.gpu_xla)."""
   name, *opts = variant.split("-")
-  if name not in ("fact", "xla", "pallas"):
-    raise ValueError(f"unknown variant {variant!r}: fact, xla or pallas")
-  chunk_gla_module.GPU_IMPL = "fact" if name == "fact" else "xla"
-  gla_gpu.INTRA = "xla" if name == "fact" else name
-  gla_gpu_intra.NUM_WARPS = gla_gpu_fact.NUM_WARPS = None
-  gla_gpu_intra.DIAG = "rows"
+  if name not in ("fact", "xla"):
+    raise ValueError(f"unknown variant {variant!r}: fact or xla")
+  dispatch.GLA_GPU_IMPL = name
+  gla_gpu_fact.NUM_WARPS = None
   gla_gpu_fact.STATE_BLOCK = None
   gla_gpu_fact.STATE_PREFETCH = False
   gla_gpu_fact.STATE_STAGES = 3
   gla_gpu_fact.SPLIT = None
   for opt in opts:
-    if opt.startswith("w") and opt[1:].isdigit():
-      gla_gpu_intra.NUM_WARPS = gla_gpu_fact.NUM_WARPS = int(opt[1:])
+    if opt.startswith("w") and opt[1:].isdigit() and name == "fact":
+      gla_gpu_fact.NUM_WARPS = int(opt[1:])
     elif opt.startswith("sb") and opt[2:].isdigit() and name == "fact":
       gla_gpu_fact.STATE_BLOCK = int(opt[2:])
     elif opt.startswith("st") and opt[2:].isdigit() and name == "fact":
@@ -144,8 +129,6 @@ def set_variant(variant):
       gla_gpu_fact.SPLIT = int(opt[2:])
     elif opt == "pf" and name == "fact":
       gla_gpu_fact.STATE_PREFETCH = True
-    elif opt == "kp" and name == "pallas":
-      gla_gpu_intra.DIAG = "kpieces"
     else:
       raise ValueError(f"unknown option {opt!r} in {variant!r}")
 

@@ -12,7 +12,7 @@ tuned for memory bandwidth); then every chunk's output by batched products,
 
     o = (scale q exp(b)) S_n + A v,    A_tu = scale sum_k q_tk k_uk exp(b_tk - b_uk), u <= t.
 
-A uses secondary chunking for stability (as in gla_chunk): query sub-chunk i (16 rows) meets
+A uses secondary chunking for stability (as in chunk_math): query sub-chunk i (16 rows) meets
 earlier keys by one product after rescaling both sides to the cumulative log-gate just before
 the sub-chunk (both exponents <= 0); the 16 x 16 diagonal blocks are a float32 reduction over K
 in log space, which XLA fuses into one kernel without materialising the [16, 16, K] terms.
@@ -27,53 +27,29 @@ keeps the chunk-start states and A from the forward, and forms dq, dk, dv with t
 products (key-side off-diagonal blocks rescaled to the end of the key sub-chunk). d log_g is
 the reverse cumulative sum of q dq - k dk (see chunk_gla._log_gate_grad).
 
-Resets are masks as everywhere else (gla_reference.chunk_reset_counts): a query sees the
+Resets are masks as everywhere else (gla.reference.chunk_reset_counts): a query sees the
 entering state only with count 0, pairs attend only with equal counts, keys reach the chunk
 end only with the chunk's last count, and a chunk with a document start passes no state on.
 
 Layout: the token arrays are transposed once to [B, H, NT, C, X] (contiguous C x X tiles per
 chunk); any K and V (no padding).
 
-INTRA = "pallas" (opt-in; slower than "xla" on an H100, docs/kernels.md) replaces the
-per-chunk part of the forward (A, o) and of the backward (dq, dk, dv, the chunk-local d log_g
-sums) by gla_gpu_intra's two Triton kernels, one program per chunk, which read and write the
-[B, T, H, X] arrays directly.
-
-This module is chunk_gla's GPU path for shapes gla_gpu_fact does not take (K or V not a power
-of two >= 16) and with GLA_GPU_IMPL=xla.
+This module is chunk_gla's GPU path for shapes gla.gpu does not take (K or V not a power of
+two >= 16, float32 on a GPU, tiles beyond the shared memory) and with GLA_GPU_IMPL=xla.
 """
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import gla_gpu_intra
-from pallas_kernels import scan_core
-from pallas_kernels import scan_linear
-from pallas_kernels.gla_reference import add_later_chunks, token_log_gate_grad
+from pallas_kernels.rg_lru import blocked
+from pallas_kernels.rg_lru import scan as scan_linear
+from pallas_kernels.gla.reference import add_later_chunks
 
 SUB = 16
 F32 = jnp.float32
-
-# How the chunk recurrence runs: "pallas" (the linear-scan kernel, the default, measured),
-# "associative" (lax.associative_scan in XLA) or "loop" (lax.scan): the last two are not
-# measured on a GPU; overridable for benchmarking and debugging.
-SCAN = os.environ.get("GLA_GPU_SCAN", "pallas")
-
-# How the forward's per-chunk part (A and o) runs: "xla" (the default, measured: batched
-# products and a fused diagonal-block reduction) or "pallas" (gla_gpu_intra's Triton kernel:
-# one program per chunk, o written straight into [B, T, H, V]; measured slower on an H100).
-INTRA = os.environ.get("GLA_GPU_INTRA", "xla")
-
-
-def intra_impl() -> str:
-  """``INTRA``, checked: read once per call of chunk_gla (``gla``'s static argument)."""
-  if INTRA not in ("xla", "pallas"):
-    raise ValueError(f"gla_gpu.INTRA must be 'xla' or 'pallas', got {INTRA!r}")
-  return INTRA
 
 
 def _prec(dt):
@@ -168,21 +144,10 @@ def _attention_grads(dattn, qs, k, b, dt):
 
 
 def _chunk_scan(x, a, h0, reverse, interpret):
-  """h_n = a_n h_{n-1} + x_n over axis 1 of [Z, NT, D] float32 -> (h per step, h_last)."""
-  if SCAN == "pallas":
-    config = scan_core.ScanConfig(backend="gpu", interpret=interpret)
-    return scan_linear.linear_scan_with_config(x, a, h0, reverse, config)
-  if SCAN == "associative":
-    def combine(l, r):
-      return l[0] * r[0], r[0] * l[1] + r[1]
-    xs = x.at[:, -1 if reverse else 0].add(a[:, -1 if reverse else 0] * h0)
-    _, hs = lax.associative_scan(combine, (a, xs), axis=1, reverse=reverse)
-    return hs, hs[:, 0 if reverse else -1]
-  def step(h, xa):
-    h = xa[1] * h + xa[0]
-    return h, h
-  last, hs = lax.scan(step, h0, (x.swapaxes(0, 1), a.swapaxes(0, 1)), reverse=reverse)
-  return hs.swapaxes(0, 1), last
+  """h_n = a_n h_{n-1} + x_n over axis 1 of [Z, NT, D] float32 -> (h per step, h_last), by
+  the Pallas linear-scan kernel (its GPU variant)."""
+  config = blocked.ScanConfig(backend="gpu", interpret=interpret)
+  return scan_linear.linear_scan_with_config(x, a, h0, reverse, config)
 
 
 class _Chunks:
@@ -229,27 +194,22 @@ class _Chunks:
     return ys.reshape(x.shape), last.reshape(init.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def gla(scale, c, interpret, intra, q, k, v, g, s0, rc):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def gla(scale, c, interpret, q, k, v, g, s0, rc):
   """o [B, Tp, H, V] (q's dtype), h_last [B, H, K, V] float32; Tp a multiple of c.
 
   q, k, g: [B, Tp, H, K]; v: [B, Tp, H, V]; s0 [B, H, K, V] float32; rc [B, Tp] float32 reset
-  counts (gla_reference.chunk_reset_counts) or None; intra: ``intra_impl()``.
+  counts (gla.reference.chunk_reset_counts) or None.
   """
-  return _fwd(scale, c, interpret, intra, q, k, v, g, s0, rc)[0]
+  return _fwd(scale, c, interpret, q, k, v, g, s0, rc)[0]
 
 
-def _fwd(scale, c, interpret, intra, q, k, v, g, s0, rc):
+def _fwd(scale, c, interpret, q, k, v, g, s0, rc):
   dt = q.dtype
   ch = _Chunks(q, k, g, rc, scale, c)
   vt = ch.tiles(v)
   u = _mm("...ck,...cv->...kv", ch.k.astype(F32) * ch.k_out, vt, dt)   # [B, H, NT, K, V]
   ends, s_last = ch.scan_states(u, s0, False, interpret)
-  if intra == "pallas":
-    o, attn = gla_gpu_intra.forward(q, k, v, ch.b, ends, s0, rc, scale=scale, chunk=c,
-                                    interpret=interpret)
-    # The kernels take the per-chunk end states (each chunk reads its predecessor's).
-    return (o, s_last), (q, k, v, g, s0, rc, ends, attn, s_last)
   starts = jnp.concatenate([s0[:, :, None], ends[:, :, :-1]], axis=2)
   attn = _attention(ch.qs, ch.k.astype(F32), ch.b, ch.keep, dt).astype(dt)
   o = _mm("...ck,...kv->...cv", ch.qs * ch.q_in, starts, dt) + _mm("...tu,...uv->...tv",
@@ -258,8 +218,8 @@ def _fwd(scale, c, interpret, intra, q, k, v, g, s0, rc):
   return (o, s_last), (q, k, v, g, s0, rc, starts, attn, s_last)
 
 
-def _bwd(scale, c, interpret, intra, res, cts):
-  q, k, v, g, s0, rc, states, attn, s_last = res  # states: chunk starts (xla) or ends (pallas)
+def _bwd(scale, c, interpret, res, cts):
+  q, k, v, g, s0, rc, starts, attn, s_last = res
   do, ds_last = cts
   dt = q.dtype
   ch = _Chunks(q, k, g, rc, scale, c)
@@ -267,14 +227,6 @@ def _bwd(scale, c, interpret, intra, res, cts):
   q_in = ch.qs * ch.q_in
   w = _mm("...ck,...cv->...kv", q_in, dot, dt)
   d_starts, ds0 = ch.scan_states(w, ds_last.astype(F32), True, interpret)
-  if intra == "pallas":
-    dq, dk, dv, within = gla_gpu_intra.backward(
-        q, k, v, do, ch.b, states, s0, d_starts, ds_last.astype(F32), attn, rc, scale=scale,
-        chunk=c, interpret=interpret)
-    dlog_g = token_log_gate_grad(within, c, ds_last, s_last)
-    return (dq, dk.astype(k.dtype), dv.astype(v.dtype), dlog_g.astype(g.dtype),
-            ds0.astype(s0.dtype), None)
-  starts = states
   d_ends = jnp.concatenate([d_starts[:, :, 1:], ds_last[:, :, None].astype(F32)], axis=2)
   dattn = jnp.where(ch.keep, _mm("...tv,...uv->...tu", dot, vt, dt), 0.0)
   kf = ch.k.astype(F32)

@@ -1,6 +1,6 @@
 """Forward linear scan ``h_t = a_t * h_{t-1} + x_t`` as a Pallas Mosaic GPU (Hopper) kernel.
 
-The Triton kernel (``scan_gpu.py``) prefetches one chunk of rows into registers, which keeps too
+The Triton kernel (``gpu.py``) prefetches one chunk of rows into registers, which keeps too
 few bytes in flight to reach the copy ceiling with only ``B * D / 256`` programs. This kernel
 moves the rows with TMA instead: each CUDA block (one Pallas thread = one warpgroup of 128 CUDA
 threads) owns one batch row and ``block_d`` channels and walks the whole time axis over tiles of
@@ -28,7 +28,7 @@ likewise zero-filled / clipped; ``h0`` and ``h_last`` travel padded to a multipl
 TMA needs 16-byte aligned row strides, so ``D * itemsize`` must be a multiple of 16 for every
 stream; ``supports`` says whether a shape can run here (callers fall back to Triton otherwise).
 
-Forward only (no custom VJP of its own): ``scan_linear`` uses it as the forward of
+Forward only (no custom VJP of its own): ``linear_scan`` uses it as the forward of
 ``linear_scan`` when ``ScanConfig.gpu_forward == "mosaic"`` (the backward stays Triton);
 ``reverse=True`` walks the tiles and the rows of each tile backwards. Measured on an H100 in
 docs/kernels.md ("Mosaic GPU forward").

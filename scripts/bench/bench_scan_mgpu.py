@@ -1,6 +1,6 @@
 """Mosaic GPU forward scan vs the Triton forward scan vs the HBM copy ceiling, in one run.
 
-    python scripts/bench_scan_mgpu.py --out DIR [--ts 8192,2048,32768] [--iters 20]
+    python scripts/bench/bench_scan_mgpu.py --out DIR [--ts 8192,2048,32768] [--iters 20]
         [--mgpu 32:256:4:2,16:256:8:2] [--triton 256:4:32:1,256:4:16:3] [--no-check]
 
 First checks ``scan_mosaic_gpu.linear_scan_mgpu`` (y and h_last, forward and reverse) against
@@ -8,7 +8,7 @@ the float64 ``linear_scan_reference`` on ragged shapes, for every Mosaic GPU con
 at B=8, D=2560, bfloat16 x and a, float32 carry, h0 = 0: our Triton ``linear_scan`` forward
 (the default config and the ``--triton`` variants, ``block_d:warps:chunk:prefetch``) and the
 Mosaic GPU kernel for each ``--mgpu`` config (``rows:block_d:stages:y_stages[:auto]``, ``auto``
-= Pallas' automatic barriers). Times are ``bench_scan.time_fn`` (median of --iters timings of 5
+= Pallas' automatic barriers). Times are ``timing.time_fn`` (median of --iters timings of 5
 back-to-back calls); "% ceiling" is the byte floor (read x and a, write y: 3 bf16 [B, T, D]
 arrays) over the time, over the PyTorch 2 GiB device-to-device copy ceiling measured in the
 same run. Every variant runs in its own try/except, so one failure does not stop the rest.
@@ -27,7 +27,7 @@ import time
 import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # pylint: disable=g-import-not-at-top
@@ -35,7 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import bench_scan  # pylint: disable=g-import-not-at-top
-from pallas_kernels import scan_core, scan_linear, scan_mosaic_gpu, scan_reference
+from pallas_kernels import dispatch
+from pallas_kernels.rg_lru import blocked as scan_core, gpu_mosaic as scan_mosaic_gpu
+from pallas_kernels.rg_lru import reference as scan_reference, scan as scan_linear
+from timing import time_fn  # pylint: disable=g-import-not-at-top  (scripts/bench/)
 
 B, D = bench_scan.B, bench_scan.D
 
@@ -58,8 +61,8 @@ def mgpu_fn(cfg):
 
 
 def triton_fn(spec):
-  if spec == "default":  # the Triton forward, whatever default_config picks on this GPU
-    config = dataclasses.replace(scan_core.default_config(), gpu_forward="triton")
+  if spec == "default":  # the Triton forward, whatever dispatch.scan_config picks on this GPU
+    config = dataclasses.replace(dispatch.scan_config(), gpu_forward="triton")
   else:
     block_d, warps, chunk, prefetch = map(int, spec.split(":"))
     config = scan_core.ScanConfig(backend="gpu", gpu_block_d=block_d, gpu_num_warps=warps,
@@ -172,7 +175,7 @@ def main():
         start = time.perf_counter()
         jax.block_until_ready(f(*call_args))
         first_s = time.perf_counter() - start
-        ms = bench_scan.time_fn(f, *call_args, iters=args.iters)
+        ms = time_fn(f, *call_args, iters=args.iters)
       except Exception as e:  # pylint: disable=broad-except
         print(f"T={t} {name}: ERROR\n{short_error(e)}", flush=True)
         continue
@@ -185,7 +188,7 @@ def main():
                        ceiling_tbps=ceiling, checked=checked, rows=rows), fh, indent=1)
 
   lines = [f"Device: {device.device_kind}, jax {jax.__version__}, {date}.",
-           f"Command: `python scripts/{os.path.basename(__file__)} {' '.join(sys.argv[1:])}`.",
+           f"Command: `python scripts/bench/{os.path.basename(__file__)} {' '.join(sys.argv[1:])}`.",
            f"HBM ceiling (PyTorch 2 GiB device-to-device copy): {ceiling:.2f} TB/s.",
            f"Correctness (mgpu configs vs float64 reference): {checked}", "",
            "| T | kernel | ms | % of ceiling |", "|---|---|---|---|"]

@@ -1,4 +1,4 @@
-"""Mosaic (TPU) kernel of ``scan_core.blocked_scan``; on the CPU it runs in TPU interpret mode.
+"""Mosaic (TPU) kernel of ``blocked.blocked_scan``; on the CPU it runs in TPU interpret mode.
 
 Grid ``(batch tiles, channel tiles, time blocks)``: the first two are independent ("parallel"),
 the time axis is walked in scan order ("arbitrary") so that the carries can stay in VMEM scratch
@@ -31,7 +31,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def tpu_scan(step, streams, carries0, *, out_dtypes, reverse, config, lookahead, rows, params):
-  """``scan_core.blocked_scan`` on TPU (arguments and results as documented there)."""
+  """``blocked.blocked_scan`` on TPU (arguments and results as documented there)."""
   B, T, D = streams[0].shape
   f32 = jnp.float32
   if config.block_t % SLAB or config.block_d % 128:

@@ -1,4 +1,4 @@
-"""Triton (GPU) kernel of ``scan_core.blocked_scan``.
+"""Triton (GPU) kernel of ``blocked.blocked_scan``.
 
 One program per ``(batch row, block of 256 channels)``, 4 warps; it walks the whole time axis,
 the carries in registers. The scan is memory bound and has little parallelism across programs
@@ -34,7 +34,7 @@ def _next_power_of_2(n: int) -> int:
 
 
 def gpu_scan(step, streams, carries0, *, out_dtypes, reverse, config, lookahead, rows, params):
-  """``scan_core.blocked_scan`` on GPU (arguments and results as documented there)."""
+  """``blocked.blocked_scan`` on GPU (arguments and results as documented there)."""
   B, T, D = streams[0].shape
   n_loaded = len(streams) + (lookahead is not None)
   block_d = min(config.gpu_block_d or _BLOCK_D, _next_power_of_2(D))

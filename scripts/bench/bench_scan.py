@@ -1,6 +1,6 @@
 """Benchmarks the RG-LRU scan kernels on a GPU against recurrentgemma 1.0.1 and XLA.
 
-    python scripts/bench_scan.py --out DIR [--ts 2048,8192,32768] [--check] [--sweep 256:4,256:4:32:evict_first]
+    python scripts/bench/bench_scan.py --out DIR [--ts 2048,8192,32768] [--check] [--sweep 256:4,256:4:32:evict_first]
 
 Rows (B=8, D=2560, bfloat16 inputs, float32 carry), forward and forward+backward (the VJP with a
 random cotangent for y): our ``linear_scan`` and fused ``rg_lru``; recurrentgemma's
@@ -25,30 +25,18 @@ import time
 import types
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import rg_lru_fused, scan_core, scan_linear, scan_reference
+from pallas_kernels import dispatch
+from pallas_kernels.rg_lru import blocked as scan_core, fused as rg_lru_fused
+from pallas_kernels.rg_lru import reference as scan_reference, scan as scan_linear
+from timing import time_fn  # pylint: disable=g-import-not-at-top  (scripts/bench/)
 
 B, D = 8, 2560
-
-
-def time_fn(fn, *args, iters, calls=5, warmup=2):
-  """Median over ``iters`` timings of ``calls`` back-to-back calls ended by block_until_ready,
-  per call (ms): back-to-back dispatch keeps the host's launch gap out of the kernel times."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    outs = [fn(*args) for _ in range(calls)]
-    jax.block_until_ready(outs)
-    times.append((time.perf_counter() - start) / calls)
-    del outs
-  return 1e3 * statistics.median(times)
 
 
 def copy_ceiling_tbps(iters):
@@ -270,7 +258,7 @@ def plot(rows_by_t, path):
 def write_table(out, device, ceiling, iters, rows_by_t):
   date = subprocess.run(["date"], capture_output=True, text=True).stdout.strip()
   lines = [f"Device: {device.device_kind}, jax {jax.__version__}, {date}.",
-           f"Command: `python scripts/{os.path.basename(__file__)} {' '.join(sys.argv[1:])}`.",
+           f"Command: `python scripts/bench/{os.path.basename(__file__)} {' '.join(sys.argv[1:])}`.",
            f"HBM ceiling (PyTorch 2 GiB device-to-device copy, read + write): {ceiling:.2f} TB/s.",
            f"B={B}, D={D}, bfloat16; ms per call, median of {iters} timings of 5 back-to-back "
            "calls; % HBM = byte floor / time / ceiling.",
@@ -307,7 +295,7 @@ def main():
     check(jax.random.PRNGKey(1))
   ceiling = copy_ceiling_tbps(args.iters)
   print(f"HBM copy ceiling: {ceiling:.2f} TB/s", flush=True)
-  config = scan_core.default_config()
+  config = dispatch.scan_config()
   if args.sweep:
     candidates = [tuple(c.split(":")) for c in args.sweep.split(",")]
     config = sweep(args.iters, candidates)

@@ -1,6 +1,6 @@
 """Weak scaling of training over the GPUs of one host, through the real launcher.
 
-  python scripts/bench_scaling.py --out DIR [--config configs/griffin.py:400m] [--steps 20]
+  python scripts/bench/bench_scaling.py --out DIR [--config configs/griffin.py:400m] [--steps 20]
       [--rows_per_gpu 8] [--gpus 1,2]
 
 For each setup it runs ``scripts/launch_gpus.sh`` (one process per GPU, jax.distributed),
@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run(out, name, gpus, args, steps):

@@ -2,7 +2,7 @@
 over sequence lengths at fixed tokens per step (the Griffin paper's Fig. 3 protocol), and the
 official recurrentgemma Griffin side by side with ours.
 
-  python scripts/bench_train.py --out DIR [--families griffin,hawk,mqa,gla] [--sizes 400m,1b]
+  python scripts/bench/bench_train.py --out DIR [--families griffin,hawk,mqa,gla] [--sizes 400m,1b]
       [--seq_lens 2048,4096,8192] [--tokens_per_step 32768] [--steps 10] [--warmup 2]
       [--remat none|block|dots] [--rows_per_microbatch N] [--vocab_size 32768]
       [--anchor] [--anchor_only] [--anchor_rows 32] [--anchor_scan auto] [--deadline S]
@@ -39,7 +39,7 @@ The ratio of tokens/s (ours / official) is printed (issue #7 asks for at least 1
 after S seconds (the rest read "skipped"). Writes DIR/train.md, DIR/train.json and
 DIR/train.png (tokens/s against T), rewritten after every row. ``--profile`` also traces 2 more steps of every row with
 ``jax.profiler`` and writes DIR/profile_<row>.md (device time by kind of kernel and the top
-kernels, ``scripts/profile_summary.py``), the Perfetto trace DIR/trace_<row>.json.gz and the
+kernels, ``scripts/bench/profile_summary.py``), the Perfetto trace DIR/trace_<row>.json.gz and the
 compiled HLO DIR/hlo_<row>.txt (to look up what a fusion holds). ``--tiny`` shrinks the models,
 T to 64 and 128 and the steps, for a CPU check of the script. Sets XLA_PYTHON_CLIENT_MEM_FRACTION
 to 0.92 unless it is set.
@@ -56,7 +56,7 @@ import sys
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 from recurrentgemma_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -118,7 +118,7 @@ def main():
   parser.add_argument("--tiny", action="store_true", help="tiny models, for a CPU check")
   parser.add_argument("--profile", action="store_true",
                       help="also trace 2 steps of each row with jax.profiler and write "
-                           "OUT/profile_<row>.md (scripts/profile_summary.py)")
+                           "OUT/profile_<row>.md (scripts/bench/profile_summary.py)")
   args, rest = parser.parse_known_args()
   overrides, bad = cli.split_config_flags(rest)
   if bad:
@@ -297,7 +297,7 @@ class Bench:
   def profile(self, compiled, state, batch, name, steps=2):
     """Traces ``steps`` more steps; writes OUT/profile_<name>.md and prints its first lines."""
     import re  # pylint: disable=g-import-not-at-top
-    import profile_summary  # pylint: disable=g-import-not-at-top  (scripts/, beside this file)
+    import profile_summary  # pylint: disable=g-import-not-at-top  (scripts/bench/, beside this file)
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
     trace_dir = os.path.join(self.args.out, "traces", name)
     with self.jax.profiler.trace(trace_dir, create_perfetto_trace=True):

@@ -1,7 +1,7 @@
 """Decoding latency and maximum throughput, MQA Transformer vs Hawk vs Griffin (the Griffin
 paper's Fig. 1(b) and Fig. 4 protocol), with random weights of a given preset size.
 
-  python scripts/bench_decode.py --out DIR [--size 1.3b] [--families mqa,hawk,griffin]
+  python scripts/bench/bench_decode.py --out DIR [--size 1.3b] [--families mqa,hawk,griffin]
       [--new_tokens 512,1024,2048,4096] [--latency_batch 16] [--prefill 0,4096 | none]
       [--batches 16,32,...] [--max_batch 4096] [--repeats 3] [--deadline S] [--tiny]
 
@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def main():

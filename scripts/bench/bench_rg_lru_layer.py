@@ -1,26 +1,26 @@
 """The RG-LRU layer on a GPU: XLA gating + the Pallas scan (the model's default path) against the
-fused layer kernel (``pallas_kernels.rg_lru_fused``) under several GPU block shapes, forward and
+fused layer kernel (``pallas_kernels.rg_lru.fused``) under several GPU block shapes, forward and
 forward+backward, at one shape (default: the Griffin-400M layer, B=16, T=2048, D=2048, bf16).
 
-  python scripts/bench_rg_lru_layer.py [--batch 16] [--seq_len 2048] [--width 2048] [--iters 20]
+  python scripts/bench/bench_rg_lru_layer.py [--batch 16] [--seq_len 2048] [--width 2048] [--iters 20]
 
 Prints the bytes floor (x and both gate logits read and y written forward; those, dy and h read
 and three gradients written backward; at 3.0 TB/s) and the median time per call of each row.
-The fused layer's block shape for real runs is ``rg_lru_fused.gpu_block`` (the "auto" row).
+The fused layer's block shape for real runs is ``rg_lru.fused.gpu_block`` (the "auto" row).
 """
 
 import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from pallas_kernels import rg_lru_fused, scan_core  # pylint: disable=g-import-not-at-top,wrong-import-position
+from pallas_kernels.rg_lru import blocked as scan_core, fused as rg_lru_fused  # pylint: disable=g-import-not-at-top,wrong-import-position
 from recurrentgemma_jax import recurrent, scan as scan_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
-from bench_scan import time_fn  # pylint: disable=g-import-not-at-top,wrong-import-position
+from timing import time_fn  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 BLOCK_SHAPES = [("scan's shape (256 channels, 4 warps)", dict()),
                 ("chunk 8", dict(gpu_chunk=8)),

@@ -1,7 +1,7 @@
 """Bytes per device of parameters, gradients and optimizer state at each ZeRO stage, from XLA's
 compiled memory analysis (nothing is allocated: every function is compiled on abstract inputs).
 
-  python scripts/memory_report.py --presets griffin:7b,griffin:14b --devices 8 --model_axis 1
+  python scripts/bench/memory_report.py --presets griffin:7b,griffin:14b --devices 8 --model_axis 1
 
 Runs on simulated CPU devices (it sets XLA_FLAGS itself when --devices > 1 on a CPU). For each
 preset and ZeRO stage it compiles, on a (data = devices / model_axis, model = model_axis) mesh:
@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def main(argv=None):

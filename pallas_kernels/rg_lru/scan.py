@@ -17,8 +17,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import scan_core
-from pallas_kernels import scan_mosaic_gpu
+from pallas_kernels import dispatch
+from pallas_kernels.rg_lru import blocked
+from pallas_kernels.rg_lru import gpu_mosaic
 
 
 def _forward_step(carries, ins):
@@ -34,7 +35,7 @@ def _backward_step(carries, ins):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def linear_scan_with_config(x, a, h0, reverse: bool, config: scan_core.ScanConfig):
+def linear_scan_with_config(x, a, h0, reverse: bool, config: blocked.ScanConfig):
   """``linear_scan`` with an explicit kernel configuration (``h0`` is required here).
 
   Args:
@@ -50,11 +51,11 @@ def linear_scan_with_config(x, a, h0, reverse: bool, config: scan_core.ScanConfi
 
 
 def _forward(x, a, h0, reverse, config):
-  if config.backend == "gpu" and config.gpu_forward == "mosaic" and scan_mosaic_gpu.supports(x, a):
-    y, h_last = scan_mosaic_gpu.linear_scan_mgpu(x, a, h0, reverse=reverse,
-                                                 interpret=config.interpret)
+  if config.backend == "gpu" and config.gpu_forward == "mosaic" and gpu_mosaic.supports(x, a):
+    y, h_last = gpu_mosaic.linear_scan_mgpu(x, a, h0, reverse=reverse,
+                                            interpret=config.interpret)
   else:
-    (y,), (h_last,) = scan_core.blocked_scan(
+    (y,), (h_last,) = blocked.blocked_scan(
         _forward_step, (x, a), (h0,), out_dtypes=(x.dtype,), reverse=reverse, config=config)
   return (y, h_last), (a, y, h0)
 
@@ -62,7 +63,7 @@ def _forward(x, a, h0, reverse, config):
 def _backward(reverse, config, residuals, cotangents):
   a, y, h0 = residuals
   dy, dh_last = cotangents
-  (dx, da), (dh0,) = scan_core.blocked_scan(
+  (dx, da), (dh0,) = blocked.blocked_scan(
       _backward_step, (dy, a), (dh_last.astype(jnp.float32),), out_dtypes=(y.dtype, a.dtype),
       reverse=not reverse, config=config, lookahead=(y, h0))
   return dx, da, dh0.astype(h0.dtype)
@@ -78,7 +79,7 @@ def linear_scan(x, a, h0=None, *, reverse=False, interpret=False):
     x, a: ``[B, T, D]``, float32 or bfloat16 (they may differ).
     h0: ``[B, D]`` float32 or None (zeros): the state before the first step in scan order.
     reverse: scan from ``t = T-1`` down to 0.
-    interpret: run the TPU kernel in TPU interpret mode (also chosen on a CPU backend).
+    interpret: run the TPU kernel in TPU interpret mode (also chosen on a CPU target).
 
   Returns:
     ``y: [B, T, D]`` in ``x``'s dtype and ``h_last: [B, D]`` float32, the state after the last
@@ -91,4 +92,4 @@ def linear_scan(x, a, h0=None, *, reverse=False, interpret=False):
   elif h0.shape != (x.shape[0], x.shape[2]):
     raise ValueError(f"h0 must be [B, D] = {(x.shape[0], x.shape[2])}: {h0.shape}")
   return linear_scan_with_config(x, a, h0.astype(jnp.float32), reverse,
-                                 scan_core.default_config(interpret))
+                                 dispatch.scan_config(interpret))

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import scan_linear
+from pallas_kernels.rg_lru.scan import linear_scan
 
 
 def sequence_parallel_linear_scan(x, a, h0=None, *, mesh, axis_name, reverse=False,
@@ -55,7 +55,7 @@ def sequence_parallel_linear_scan(x, a, h0=None, *, mesh, axis_name, reverse=Fal
 
 
 def _local_scan(x, a, h0, *, n, axis_name, reverse, interpret):
-  _, end_from_zero = scan_linear.linear_scan(x, a, reverse=reverse, interpret=interpret)
+  _, end_from_zero = linear_scan(x, a, reverse=reverse, interpret=interpret)
   decay = jnp.prod(a.astype(jnp.float32), axis=1)
   ends = jax.lax.all_gather(end_from_zero, axis_name)  # [n, B, D]
   decays = jax.lax.all_gather(decay, axis_name)
@@ -65,5 +65,5 @@ def _local_scan(x, a, h0, *, n, axis_name, reverse, interpret):
     starts[i] = h
     h = decays[i] * h + ends[i]
   start = jnp.stack(starts)[jax.lax.axis_index(axis_name)]
-  y, _ = scan_linear.linear_scan(x, a, start, reverse=reverse, interpret=interpret)
+  y, _ = linear_scan(x, a, start, reverse=reverse, interpret=interpret)
   return y, h

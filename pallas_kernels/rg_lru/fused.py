@@ -6,7 +6,7 @@ reset token ``a = 0`` and ``mult = 1``; ``h_t = a_t h_{t-1} + x_t gate_x mult``.
 gate logits and the reset flags are read and y written: the gates, ``a`` and the normalised
 input never reach HBM.
 
-Backward: the reverse scan of ``scan_linear`` (carry ``c = a_t g_t``) with the gate math
+Backward: the reverse scan of ``linear_scan`` (carry ``c = a_t g_t``) with the gate math
 recomputed from the same inputs, so the residuals are the inputs, ``y`` and ``h0``. The
 ``a_param`` gradient is a sum over b and t; the kernel accumulates it over t in a second carry
 and the sum over b happens outside. ``sqrt``'s derivative is evaluated at
@@ -21,8 +21,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import scan_core
-from pallas_kernels.scan_reference import MAX_SQRT_GRADIENT, RG_LRU_C
+from pallas_kernels import dispatch
+from pallas_kernels.rg_lru import blocked
+from pallas_kernels.rg_lru.reference import MAX_SQRT_GRADIENT, RG_LRU_C
 
 _MIN_SQRT_ARG = 1.0 / (4.0 * MAX_SQRT_GRADIENT**2)
 
@@ -75,7 +76,7 @@ def _backward_step(carries, ins):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def rg_lru_with_config(x, gate_x_logits, gate_a_logits, a_param, reset, h0,
-                       config: scan_core.ScanConfig):
+                       config: blocked.ScanConfig):
   """``rg_lru`` with an explicit kernel configuration; ``reset`` float ``[B, T]`` and ``h0``
   ``[B, D]`` float32 are required here (see ``rg_lru`` for the rest)."""
   return _forward(x, gate_x_logits, gate_a_logits, a_param, reset, h0, config)[0]
@@ -83,7 +84,7 @@ def rg_lru_with_config(x, gate_x_logits, gate_a_logits, a_param, reset, h0,
 
 def _forward(x, gate_x_logits, gate_a_logits, a_param, reset, h0, config):
   softplus_a = jax.nn.softplus(a_param.astype(jnp.float32))
-  (y,), (h_last,) = scan_core.blocked_scan(
+  (y,), (h_last,) = blocked.blocked_scan(
       _forward_step, (x, gate_x_logits, gate_a_logits), (h0,), out_dtypes=(x.dtype,),
       reverse=False, config=config, rows=(reset,), params=(softplus_a,))
   return (y, h_last), (x, gate_x_logits, gate_a_logits, a_param, reset, h0, y)
@@ -93,7 +94,7 @@ def _backward(config, residuals, cotangents):
   x, gate_x_logits, gate_a_logits, a_param, reset, h0, y = residuals
   dy, dh_last = cotangents
   a_param32 = a_param.astype(jnp.float32)
-  (dx, dx_logits, da_logits), (dh0, d_softplus) = scan_core.blocked_scan(
+  (dx, dx_logits, da_logits), (dh0, d_softplus) = blocked.blocked_scan(
       _backward_step, (dy, x, gate_x_logits, gate_a_logits),
       (dh_last.astype(jnp.float32), jnp.zeros_like(h0, jnp.float32)),
       out_dtypes=(x.dtype, gate_x_logits.dtype, gate_a_logits.dtype), reverse=True,
@@ -132,7 +133,7 @@ def rg_lru(x, gate_x_logits, gate_a_logits, a_param, reset=None, h0=None, *, int
     reset: bool ``[B, T]``, True at the first token of a document (the state restarts there),
       or None.
     h0: ``[B, D]`` float32 or None (zeros).
-    interpret: run the TPU kernel in TPU interpret mode (also chosen on a CPU backend).
+    interpret: run the TPU kernel in TPU interpret mode (also chosen on a CPU target).
 
   Returns:
     ``y: [B, T, D]`` in ``x``'s dtype and ``h_last: [B, D]`` float32. Differentiable in ``x``,
@@ -145,7 +146,7 @@ def rg_lru(x, gate_x_logits, gate_a_logits, a_param, reset=None, h0=None, *, int
   reset = (jnp.zeros((B, T), jnp.float32) if reset is None
            else jax.lax.stop_gradient(reset.astype(jnp.float32)))
   h0 = jnp.zeros((B, D), jnp.float32) if h0 is None else h0.astype(jnp.float32)
-  config = scan_core.default_config(interpret)
+  config = dispatch.scan_config(interpret)
   if config.backend == "gpu":
     config = dataclasses.replace(config, **gpu_block(B, D))
   return rg_lru_with_config(x, gate_x_logits, gate_a_logits, a_param, reset, h0, config)

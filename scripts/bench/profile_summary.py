@@ -1,6 +1,6 @@
 """Where the device time of a profiled JAX program goes, from a ``jax.profiler`` trace.
 
-  python scripts/profile_summary.py TRACE_DIR [--steps N] [--top 30]
+  python scripts/bench/profile_summary.py TRACE_DIR [--steps N] [--top 30]
 
 Reads the newest ``perfetto_trace.json.gz`` under TRACE_DIR (written by
 ``jax.profiler.trace(TRACE_DIR, create_perfetto_trace=True)``), keeps the events of the device

@@ -21,8 +21,8 @@ from typing import Callable, Sequence
 
 import jax
 
-from pallas_kernels import scan_gpu
-from pallas_kernels import scan_tpu
+from pallas_kernels.rg_lru import gpu
+from pallas_kernels.rg_lru import tpu
 
 Step = Callable[[tuple, tuple], tuple[tuple, tuple]]
 
@@ -33,7 +33,7 @@ class ScanConfig:
 
   ``backend`` is ``"tpu"`` (Mosaic; TPU interpret mode when ``interpret``) or ``"gpu"`` (Triton;
   Pallas' generic interpreter when ``interpret``). The ``gpu_*`` fields of None pick the tuned
-  defaults of ``scan_gpu``.
+  defaults of ``rg_lru.gpu``.
   """
 
   backend: str = "tpu"
@@ -46,24 +46,11 @@ class ScanConfig:
   gpu_num_warps: int | None = None
   gpu_eviction: str | None = None  # Triton eviction policy of the row loads and stores
   gpu_prefetch: int | None = None  # chunks loaded ahead of the one being computed (default 1)
-  # The linear scan's forward on GPU: "triton" (blocked_scan) or "mosaic" (scan_mosaic_gpu: TMA
-  # pipeline, Hopper and newer; shapes it does not support fall back to Triton). default_config
-  # picks "mosaic" on Hopper and newer (measured faster, docs/kernels.md), "triton" before.
+  # The linear scan's forward on GPU: "triton" (blocked_scan) or "mosaic" (gpu_mosaic: TMA
+  # pipeline, Hopper and newer; shapes it does not support fall back to Triton).
+  # dispatch.scan_config picks "mosaic" on Hopper and newer (measured faster,
+  # docs/kernels.md), "triton" before.
   gpu_forward: str = "triton"
-
-
-def default_config(interpret: bool = False) -> ScanConfig:
-  """The TPU kernel on TPU and (interpreted) on CPU or when asked; on GPU the Triton kernels,
-  with the linear scan's forward through Mosaic GPU on Hopper and newer."""
-  platform = jax.default_backend()
-  if interpret or platform == "cpu":
-    return ScanConfig(backend="tpu", interpret=True)
-  if platform == "gpu":
-    from pallas_kernels import scan_mosaic_gpu  # pylint: disable=g-import-not-at-top
-    capability = getattr(jax.devices()[0], "compute_capability", "0")
-    return ScanConfig(backend="gpu", gpu_forward="mosaic"
-                      if scan_mosaic_gpu.tma_capable(capability) else "triton")
-  return ScanConfig(backend="tpu")
 
 
 def blocked_scan(
@@ -98,5 +85,5 @@ def blocked_scan(
   kwargs = dict(out_dtypes=tuple(out_dtypes), reverse=reverse, config=config,
                 lookahead=lookahead, rows=tuple(rows), params=tuple(params))
   if config.backend == "gpu":
-    return scan_gpu.gpu_scan(step, tuple(streams), tuple(carries0), **kwargs)
-  return scan_tpu.tpu_scan(step, tuple(streams), tuple(carries0), **kwargs)
+    return gpu.gpu_scan(step, tuple(streams), tuple(carries0), **kwargs)
+  return tpu.tpu_scan(step, tuple(streams), tuple(carries0), **kwargs)

@@ -1,6 +1,6 @@
 """Where the GPU time of chunk_gla forward + backward goes, from a jax.profiler trace.
 
-    python scripts/profile_gla.py --shape 2,8192,16,64 [--iters 3] [--top 25] [--fwd_only]
+    python scripts/bench/profile_gla.py --shape 2,8192,16,64 [--iters 3] [--top 25] [--fwd_only]
         [--variant fact]
 
 Profiles ``--iters`` calls on bench_gla's inputs (bfloat16, K = V = Dh) and prints
@@ -12,14 +12,14 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # pylint: disable=g-import-not-at-top
 
 import bench_gla  # pylint: disable=g-import-not-at-top
 import profile_summary  # pylint: disable=g-import-not-at-top
-from pallas_kernels.chunk_gla import chunk_gla  # pylint: disable=g-import-not-at-top
+from pallas_kernels.gla import chunk_gla  # pylint: disable=g-import-not-at-top
 
 
 def main():

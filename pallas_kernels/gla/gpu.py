@@ -50,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gla_reference import token_log_gate_grad
+from pallas_kernels.gla.reference import token_log_gate_grad
 
 F32 = jnp.float32
 

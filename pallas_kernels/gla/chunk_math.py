@@ -1,4 +1,4 @@
-"""The per-chunk arithmetic of the GLA kernels, shared by the TPU and the GPU Pallas kernels.
+"""The per-chunk arithmetic of the GLA Mosaic kernels (gla.tpu): the bodies of their programs.
 
 One chunk holds C rows (tokens). Within it, b = the inclusive cumulative sum of the log-gates
 along the rows, so b decreases down the chunk and exp(b_t - b_u) is the decay from u to t. The

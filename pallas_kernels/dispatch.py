@@ -1,0 +1,63 @@
+"""Which kernel runs on which platform: the one place that decides.
+
+The platform is the one the program being traced is compiled for, not the host's default
+backend: under ``jax.set_mesh(mesh)`` (``partitioning.OnMesh``, ``train.setup``) it is the
+platform of the mesh's devices, so a training step traced on a CPU host for compile-only TPU
+devices (``jax.experimental.topologies``) holds the Mosaic TPU kernels. Without a mesh it is
+``jax.default_backend()``. The Pallas interpreter runs only on a CPU target or when a caller
+passes ``interpret=True``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+
+def target_platform() -> str:
+  """``"tpu"``, ``"gpu"`` or ``"cpu"``: where the current program will run."""
+  platform = None
+  mesh = jax.sharding.get_abstract_mesh()
+  device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+  if device is not None:
+    platform = device.platform
+  platform = platform or jax.default_backend()
+  return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
+def interpret_on(platform: str, interpret: bool = False) -> bool:
+  """Whether a Pallas kernel runs in its interpreter: asked for, or a CPU target."""
+  return interpret or platform == "cpu"
+
+
+def scan_config(interpret: bool = False):
+  """The RG-LRU kernels' ``blocked.ScanConfig`` for the target platform: Mosaic on TPU (its
+  interpreter on a CPU or when asked), Triton on GPUs with the linear scan's forward through
+  Mosaic GPU on Hopper and newer (measured faster, docs/kernels.md)."""
+  from pallas_kernels.rg_lru import blocked, gpu_mosaic  # pylint: disable=g-import-not-at-top
+  platform = target_platform()
+  if interpret_on(platform, interpret):
+    return blocked.ScanConfig(backend="tpu", interpret=True)
+  if platform == "gpu":
+    capability = getattr(jax.devices()[0], "compute_capability", "0")
+    return blocked.ScanConfig(
+        backend="gpu", gpu_forward="mosaic" if gpu_mosaic.tma_capable(capability) else "triton")
+  return blocked.ScanConfig(backend="tpu")
+
+
+# chunk_gla's GPU path: "fact" (gla.gpu where its shapes are supported, else gla.gpu_xla) or
+# "xla" (always gla.gpu_xla); the environment variable is for benchmarks and debugging.
+GLA_GPU_IMPL = os.environ.get("GLA_GPU_IMPL", "fact")
+
+
+def gla_path(kernels: str, key_dim: int, value_dim: int, chunk: int, dtype,
+             interpret: bool) -> str:
+  """Which chunk_gla implementation runs: ``"tpu"`` (Mosaic, also interpreted on a CPU),
+  ``"gpu"`` (Triton, gla.gpu) or ``"gpu_xla"`` (gla.gpu_xla), for ``kernels`` "tpu" or "gpu"."""
+  from pallas_kernels.gla import gpu  # pylint: disable=g-import-not-at-top
+  if kernels != "gpu":
+    return "tpu"
+  if GLA_GPU_IMPL == "fact" and gpu.supported(key_dim, value_dim, chunk, dtype, interpret):
+    return "gpu"
+  return "gpu_xla"

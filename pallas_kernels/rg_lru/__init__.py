@@ -1,0 +1,28 @@
+"""The RG-LRU kernels: the linear scan and the fused RG-LRU layer (docs/kernels.md).
+
+Public calls:
+
+- ``linear_scan(x, a, h0=None, *, reverse=False, interpret=False) -> (y, h_last)``:
+  ``h_t = a_t * h_{t-1} + x_t``.
+- ``rg_lru(x, gate_x_logits, gate_a_logits, a_param, reset=None, h0=None, *, interpret=False)
+  -> (y, h_last)``: the fused RG-LRU layer (gates, decay, normalisation and the scan).
+- ``sequence_parallel_linear_scan(x, a, h0=None, *, mesh, axis_name, reverse=False,
+  interpret=False) -> (y, h_last)``: T split over a mesh axis.
+- ``linear_scan_reference`` and ``rg_lru_reference``: the pure-JAX references.
+
+Shapes: ``x, a``, the gate logits and ``y``: ``[B, T, D]``; ``h0, h_last``: ``[B, D]`` float32;
+``a_param``: ``[D]``; ``reset``: bool ``[B, T]``.
+
+Modules: ``scan`` and ``fused`` (the custom VJPs) run their steps through ``blocked``'s
+sequential driver, which runs ``tpu`` (Mosaic TPU; its interpreter on a CPU) or ``gpu``
+(Triton); ``gpu_mosaic`` is the linear scan's forward through Mosaic GPU on Hopper;
+``reference`` the pure-JAX references. Which runs where: ``pallas_kernels.dispatch``.
+"""
+
+from pallas_kernels.rg_lru.fused import rg_lru
+from pallas_kernels.rg_lru.scan import linear_scan
+from pallas_kernels.rg_lru.reference import linear_scan_reference, rg_lru_reference
+from pallas_kernels.rg_lru.sequence_parallel import sequence_parallel_linear_scan
+
+__all__ = ["linear_scan", "linear_scan_reference", "rg_lru", "rg_lru_reference",
+           "sequence_parallel_linear_scan"]
