@@ -2,6 +2,9 @@
 
 import setuptools
 
+# The jax release the TPU compile (libtpu) is tested with: `pip install -e ".[tpu]"` pins it.
+TPU_JAX_VERSION = "0.10.2"
+
 setuptools.setup(
     name="recurrentgemma_jax",
     version="0.1.0",
@@ -31,7 +34,11 @@ setuptools.setup(
     extras_require={
         # TFDS datasets (c4 ...), read through tfds.data_source without TensorFlow.
         "tfds": ["tensorflow-datasets>=4.9.7"],
+        # libtpu: runs on TPU VMs, and compiles for TPU topologies on any machine
+        # (scripts/compile_tpu.py, the TPU compile tests).
+        "tpu": [f"jax[tpu]=={TPU_JAX_VERSION}"],
         "test": [
+            f"jax[tpu]=={TPU_JAX_VERSION}",
             "pytest>=8",
             "pytest-xdist>=3",
             # The official package is a test dependency: our importer and

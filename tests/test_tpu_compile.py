@@ -1,0 +1,111 @@
+"""Every Pallas kernel compiled for real TPU generations on this CPU machine (libtpu's
+compile-only devices, jax.experimental.topologies), forward and backward, chosen as the model
+chooses them: by the mesh's platform (pallas_kernels.dispatch), run per device (shard_local).
+
+A Mosaic kernel that does not lower, or that comes out as an interpreter callback, fails here.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import pallas_kernels
+from pallas_kernels import dispatch
+from sharding import partitioning
+
+# Two chip generations, 2 x 2 chips each (mesh data=2, model=2).
+GENERATIONS = ["v5e:2x2", "v6e:2x2"]
+
+
+@functools.lru_cache(maxsize=None)
+def tpu_mesh(topology: str):
+  desc = topologies.get_topology_desc(platform="tpu", topology_name=topology,
+                                      chip_config_name="default",
+                                      chips_per_host_bounds=(2, 2, 1), num_slices=1)
+  return jax.sharding.Mesh(np.asarray(desc.devices).reshape(2, 2),
+                           (partitioning.DATA, partitioning.MODEL))
+
+
+def compiled_text(mesh, fn, *shapes):
+  """``fn`` (differentiated by the caller) compiled for ``mesh`` from abstract inputs split
+  over ``data`` on their first axis; returns the optimised HLO text."""
+  sharded = NamedSharding(mesh, P(partitioning.DATA))
+  args = [jax.ShapeDtypeStruct(s, d, sharding=sharded) for s, d in shapes]
+  with jax.set_mesh(mesh):
+    assert dispatch.target_platform() == "tpu"
+    return jax.jit(fn).lower(*args).compile().as_text()
+
+
+def loss_of(outputs):
+  return sum(jnp.sum(o.astype(jnp.float32)) for o in jax.tree.leaves(outputs))
+
+
+def assert_mosaic_only(text, at_least):
+  assert text.count("tpu_custom_call") >= at_least, "Mosaic kernels missing"
+  assert "callback" not in text, "an interpreter callback was compiled for the TPU"
+  # Rows over data, channels / heads over model: each device runs its shard, nothing gathered.
+  assert "all-gather" not in text
+
+
+ROWS, STATE = ("batch", None, "lru"), ("batch", "lru")
+
+
+@pytest.mark.parametrize("topology", GENERATIONS)
+def test_linear_scan_compiles_for_tpu(topology):
+  scan = partitioning.shard_local(pallas_kernels.linear_scan, (ROWS, ROWS, STATE),
+                                  (ROWS, STATE))
+  grad = jax.grad(lambda x, a, h0: loss_of(scan(x, a, h0)), argnums=(0, 1, 2))
+  bf16, f32 = jnp.bfloat16, jnp.float32
+  text = compiled_text(tpu_mesh(topology), grad, ((8, 200, 512), bf16), ((8, 200, 512), f32),
+                       ((8, 512), f32))
+  assert_mosaic_only(text, 2)  # forward and backward scans
+
+
+@pytest.mark.parametrize("topology", GENERATIONS)
+def test_fused_rg_lru_compiles_for_tpu(topology):
+  layer = partitioning.shard_local(
+      pallas_kernels.rg_lru, (ROWS, ROWS, ROWS, ("lru",), ("batch", None), STATE), (ROWS, STATE))
+
+  def loss(x, gx, ga, a_param, segment_pos):
+    return loss_of(layer(x, gx, ga, a_param, segment_pos == 0, None))
+
+  grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+  shape = (8, 136, 256)
+  text = compiled_text(tpu_mesh(topology), grad, *[(shape, jnp.bfloat16)] * 3,
+                       ((256,), jnp.float32), ((8, 136), jnp.int32))
+  assert_mosaic_only(text, 2)
+
+
+@pytest.mark.parametrize("topology", GENERATIONS)
+def test_chunk_gla_compiles_for_tpu(topology):
+  bthk, bhkv = ("batch", None, "heads", None), ("batch", "heads", None, None)
+  kernel = partitioning.shard_local(
+      lambda q, k, v, g, h0, reset: pallas_kernels.chunk_gla(q, k, v, g, h0, reset=reset),
+      (bthk,) * 4 + (bhkv, ("batch", None)), (bthk, bhkv))
+
+  def loss(q, k, v, g_logits, segment_pos):
+    log_g = jax.nn.log_sigmoid(g_logits.astype(jnp.float32)) / 16
+    return loss_of(kernel(q, k, v, log_g, None, segment_pos == 0))
+
+  grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+  b, t, h = 4, 150, 4
+  text = compiled_text(tpu_mesh(topology), grad, ((b, t, h, 128), jnp.bfloat16),
+                       ((b, t, h, 128), jnp.bfloat16), ((b, t, h, 256), jnp.bfloat16),
+                       ((b, t, h, 128), jnp.bfloat16), ((b, t), jnp.int32))
+  # states + output forward; states (recomputed), dstates and grads backward (XLA may merge
+  # the two identical state passes).
+  assert_mosaic_only(text, 4)
+
+
+def test_on_a_cpu_the_same_calls_run_interpreted():
+  # Without a TPU mesh the target is this host: the interpreter, which runs here.
+  assert dispatch.target_platform() == "cpu"
+  assert dispatch.scan_config().interpret
+  x = jnp.ones((2, 20, 128), jnp.float32)
+  y, h_last = pallas_kernels.linear_scan(x, 0.5 * x)
+  np.testing.assert_allclose(h_last, 2.0 * (1 - 0.5**20) * np.ones((2, 128)), rtol=1e-6)
