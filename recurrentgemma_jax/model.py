@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels import dispatch
 from recurrentgemma_jax import attention
 from recurrentgemma_jax import layers
 from recurrentgemma_jax import recurrent
@@ -137,7 +138,7 @@ class ModelConfig:
     power of two >= 16 take the XLA path either way."""
     if self.gate_impl != "auto":
       return self.gate_impl
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return "pallas" if dispatch.target_platform() == "gpu" else "xla"
 
   @property
   def resolved_fused_rg_lru(self) -> bool:
@@ -147,7 +148,7 @@ class ModelConfig:
     if isinstance(self.fused_rg_lru, bool):
       return self.fused_rg_lru
     if self.fused_rg_lru == "auto":
-      return jax.default_backend() == "gpu"
+      return dispatch.target_platform() == "gpu"
     return self.fused_rg_lru == "true"
 
   @classmethod

@@ -285,7 +285,8 @@ def setup(config: ml_collections.ConfigDict, devices=None) -> Setup:
   if config.batch_size % mesh.shape[partitioning.DATA]:
     raise ConfigError(f"batch_size={config.batch_size} is not divisible by the "
                       f"{mesh.shape[partitioning.DATA]} devices on the data axis")
-  model_abstract = nnx.eval_shape(lambda: model_lib.init_model(model_cfg, config.seed))
+  with jax.set_mesh(mesh):  # kernels ("auto" settings) for the mesh's platform, not the host's
+    model_abstract = nnx.eval_shape(lambda: model_lib.init_model(model_cfg, config.seed))
   graphdef, params_abstract = nnx.split(model_abstract)
   tx, schedule = make_optimizer(config.optimizer, config.total_steps)
   opt_abstract = jax.eval_shape(tx.init, params_abstract)
