@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from pallas_kernels.attention import splash_mqa
 from recurrentgemma_jax import layers
 from sharding import partitioning
 
@@ -122,12 +123,17 @@ class MQAttention(nnx.Module):
     q = apply_rope(self.proj_q(x).reshape(b, t, self.num_heads, self.head_dim), segment_pos)
     k = apply_rope(self.proj_k(x).reshape(b, t, 1, self.head_dim), segment_pos)[:, :, 0]
     v = self.proj_v(x).reshape(b, t, self.head_dim)
-    # (cuDNN takes the same-document mask only for an even length: odd rows use the XLA path.)
-    if cache is None and self.impl == "cudnn" and t % 2 == 0:
-      # Per device under a mesh (query heads over ``model``, the one key/value head on
-      # every device): cuDNN's own partitioning rule wants q, k and v split alike.
-      attend = lambda q, k, v, pos: fused_attention(q, k, v, pos, self.window,
-                                                    self.head_dim**-0.5, implementation="cudnn")
+    # Kernels, per device under a mesh (query heads over ``model``, rows over ``data``, the one
+    # key/value head on every device: cuDNN's own partitioning rule wants q, k and v split
+    # alike, and a Pallas call has none). cuDNN takes the same-document mask only for an even
+    # length: odd rows use the XLA path.
+    if cache is None and (self.impl == "splash" or self.impl == "cudnn" and t % 2 == 0):
+      scale = self.head_dim**-0.5
+      if self.impl == "cudnn":
+        attend = lambda q, k, v, pos: fused_attention(q, k, v, pos, self.window, scale,
+                                                      implementation="cudnn")
+      else:  # TPU splash attention (the Pallas interpreter on a CPU)
+        attend = lambda q, k, v, pos: splash_mqa(q, k, v, pos, window=self.window, scale=scale)
       bthd, bth = ("batch", None, "heads", None), ("batch", None, None)
       encoded = partitioning.shard_local(attend, (bthd, bth, bth, ("batch", None)), bthd)(
           q, k, v, segment_pos)

@@ -7,6 +7,10 @@
 The importer writes exactly this; a training step directory (``WORKDIR/checkpoints/N``) has
 the same two items beside the optimizer state and the data position, so every script loads
 either with :func:`load_model`.
+
+The parameter tree's layer layout follows the config's ``scan_layers`` (absent in checkpoints
+written before it: per layer, as the importer still writes); restoring into a model of the
+other layout converts the tree (:func:`relayout`).
 """
 
 from __future__ import annotations
@@ -62,21 +66,29 @@ def resolve_model_dir(path: str) -> str:
 def read_model_config(path: str) -> tuple[model_lib.ModelConfig, dict[str, Any]]:
   """The model config and the raw JSON (which also names the tokenizer)."""
   config_dir = os.path.join(path, MODEL_CONFIG)
-  files = [f for f in os.listdir(config_dir) if not f.startswith("_")]
+  # (Orbax names the JSON "metadata"; a training step's items also hold commit_success.txt.)
+  files = sorted((f for f in os.listdir(config_dir)
+                  if not f.startswith("_") and f != "commit_success.txt"),
+                 key=lambda f: f != "metadata")
   if not files:
     raise CheckpointError(f"checkpoint {path!r}: '{MODEL_CONFIG}' is empty")
   try:
     with open(os.path.join(config_dir, files[0])) as f:
       meta = json.load(f)
-    return model_lib.ModelConfig.from_dict(meta), meta
+    # (Written before model.scan_layers existed: one entry per layer.)
+    return model_lib.ModelConfig.from_dict({"scan_layers": False} | meta), meta
   except (OSError, ValueError, TypeError) as e:
     raise CheckpointError(f"checkpoint {path!r}: cannot read '{MODEL_CONFIG}': {e}") from None
 
 
-def restore_params(path: str, params_abstract: nnx.State, shardings=None) -> nnx.State:
+def restore_params(path: str, params_abstract: nnx.State, shardings=None, *,
+                   cfg: model_lib.ModelConfig | None = None) -> nnx.State:
   """The ``params`` item of a model checkpoint, into the structure of ``params_abstract``
-  (optionally placed with ``shardings``, a State of Shardings of the same structure)."""
+  (optionally placed with ``shardings``, a State of Shardings of the same structure), the
+  layer layout of ``cfg`` (None: the checkpoint's own)."""
   path = resolve_model_dir(os.path.abspath(path))
+  saved_cfg, _ = read_model_config(path)
+  cfg = cfg or saved_cfg
   shardings = nnx.to_pure_dict(shardings) if shardings is not None else None
   target = nnx.to_pure_dict(params_abstract)
   target = jax.tree.map(
@@ -85,11 +97,34 @@ def restore_params(path: str, params_abstract: nnx.State, shardings=None) -> nnx
   ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
   try:
     restored = ckptr.restore(path, ocp.args.Composite(
-        **{PARAMS: ocp.args.StandardRestore(target)}))[PARAMS]
+        **{PARAMS: ocp.args.StandardRestore(relayout(target, cfg, saved_cfg))}))[PARAMS]
   except Exception as e:  # Orbax raises many types for a damaged or mismatched tree.
     raise CheckpointError(f"checkpoint {path!r}: cannot restore '{PARAMS}': "
                           f"{first_line(e)}") from None
+  if saved_cfg.layers_scanned != cfg.layers_scanned:
+    placed = {} if shardings is None else {"out_shardings": shardings}
+    restored = jax.jit(lambda tree: relayout(tree, saved_cfg, cfg), **placed)(restored)
   return state_from_pure_dict(params_abstract, restored)
+
+
+def relayout(tree, from_cfg: model_lib.ModelConfig, to_cfg: model_lib.ModelConfig):
+  """``tree`` from ``from_cfg``'s layer layout to ``to_cfg``'s (``model.scan_layers``:
+  ``model.stack_layers`` / ``unstack_layers``); the same tree when they agree.
+
+  ``tree`` is a parameter tree as saved (a nested dict) or any pytree whose parameter-shaped
+  parts are States (a parameter State; an optimizer state, whose moments are). Leaves are
+  arrays (stacked or sliced: jit this to place them) or ShapeDtypeStructs (restore targets,
+  shardings included).
+  """
+  if from_cfg.layers_scanned == to_cfg.layers_scanned:
+    return tree
+  convert = model_lib.stack_layers if to_cfg.layers_scanned else model_lib.unstack_layers
+  if not isinstance(tree, nnx.State) and isinstance(tree, dict):
+    return convert(tree, to_cfg)
+  like = nnx.state(nnx.eval_shape(lambda: model_lib.init_model(to_cfg)))
+  return jax.tree.map(
+      lambda x: state_from_pure_dict(like, convert(nnx.to_pure_dict(x), to_cfg))
+      if isinstance(x, nnx.State) else x, tree, is_leaf=lambda x: isinstance(x, nnx.State))
 
 
 def state_from_pure_dict(like: nnx.State, pure: dict) -> nnx.State:
@@ -104,10 +139,10 @@ def load_model(path: str, **overrides) -> tuple[model_lib.Model, dict[str, Any]]
   """Builds the model of a checkpoint and restores its parameters.
 
   ``overrides`` replace config fields that do not change parameter shapes (``dtype``,
-  ``scan_impl``, ``attention_window_size``, ...).
+  ``scan_impl``, ``attention_window_size``, ``scan_layers``, ...).
   """
   path = resolve_model_dir(os.path.abspath(path))
   cfg, meta = read_model_config(path)
   cfg = dataclasses.replace(cfg, **overrides)
   graphdef, params_abstract = nnx.split(nnx.eval_shape(lambda: model_lib.init_model(cfg)))
-  return nnx.merge(graphdef, restore_params(path, params_abstract)), meta
+  return nnx.merge(graphdef, restore_params(path, params_abstract, cfg=cfg)), meta

@@ -23,9 +23,10 @@ from recurrentgemma_jax import layers
 from recurrentgemma_jax import recurrent
 
 FAMILIES = ("griffin", "hawk", "mqa", "gla")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 GATE_IMPLS = ("auto", "xla", "pallas")
 FUSED_RG_LRU = ("auto", "true", "false")
+SCAN_LAYERS = ("auto", "true", "false")
 BLOCK_TYPES = ("recurrent", "attention", "global_attention", "gla")
 REMAT_POLICIES = ("none", "block", "dots")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
@@ -41,8 +42,9 @@ FAMILY_PATTERNS = {
 
 def cudnn_attention_problem(dtype: str, head_dim: int) -> str | None:
   """Why ``jax.nn.dot_product_attention(implementation="cudnn")`` cannot run this model here
-  (None: it can). The one statement of these limits: ``auto`` and the config check use it."""
-  backend = jax.default_backend()
+  (None: it can). The one statement of these limits: ``auto`` and the config check use it.
+  The platform is the one compiled for (``dispatch.target_platform``)."""
+  backend = dispatch.target_platform()
   if backend != "gpu":
     return f"needs NVIDIA GPUs; this run's devices are {backend}"
   if dtype not in ("bfloat16", "float16") or head_dim > 128 or head_dim % 8:
@@ -55,6 +57,15 @@ def cudnn_attention_problem(dtype: str, head_dim: int) -> str | None:
   except (TypeError, ValueError):  # (a GPU backend that does not say)
     pass
   return f"needs a GPU of compute capability 8.0 or more (got {capability})"
+
+
+def splash_attention_problem(dtype: str) -> str | None:
+  """Why TPU splash attention (``pallas_kernels.attention.splash_mqa``) cannot run this model
+  on the platform being compiled for (None: it can; a CPU runs it in the Pallas interpreter).
+  ``auto`` and the config check use it; the limits are stated once, in
+  ``pallas_kernels.attention.problem``."""
+  from pallas_kernels import attention as attention_kernels  # pylint: disable=g-import-not-at-top
+  return attention_kernels.problem(dtype, dispatch.target_platform())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,10 +99,11 @@ class ModelConfig:
   param_dtype: str = "float32"
   dtype: str = "bfloat16"
   scan_impl: str = "auto"
-  attention_impl: str = "auto"          # auto | xla | cudnn (flash attention on NVIDIA GPUs)
+  attention_impl: str = "auto"          # auto | xla | cudnn (NVIDIA GPUs) | splash (TPUs)
   fused_rg_lru: str = "auto"            # auto | true | false: the RG-LRU layer as one fused kernel
   gate_impl: str = "auto"               # auto | xla | pallas: the RG-LRU's block-diagonal gate matmuls
   remat: str = "none"
+  scan_layers: str = "auto"  # auto | true | false: layers as one lax.scan (auto: with remat)
 
   @property
   def resolved_block_types(self) -> tuple[str, ...]:
@@ -99,6 +111,22 @@ class ModelConfig:
       return tuple(self.block_types)
     return tuple(itertools.islice(itertools.cycle(FAMILY_PATTERNS[self.family]),
                                   self.num_layers))
+
+  @property
+  def layer_pattern(self) -> tuple[str, ...]:
+    """The shortest run of block types that ``resolved_block_types`` repeats (the family's
+    pattern when the types are derived: 26 griffin layers are 8 x (recurrent, recurrent,
+    attention), then recurrent, recurrent). With ``scan_layers`` each position of it is one
+    stack of ``scan_repeats`` layers; the remaining layers run unrolled after the scan."""
+    types = self.resolved_block_types
+    period = next((p for p in range(1, len(types) + 1)
+                   if all(types[i] == types[i - p] for i in range(p, len(types)))), len(types))
+    return types[:period]
+
+  @property
+  def scan_repeats(self) -> int:
+    """How many times ``layer_pattern`` runs whole: the length of the layer scan."""
+    return len(self.resolved_block_types) // len(self.layer_pattern)
 
   @property
   def has_attention(self) -> bool:
@@ -124,11 +152,15 @@ class ModelConfig:
 
   @property
   def resolved_attention_impl(self) -> str:
-    """``auto``: cuDNN flash attention where it runs (NVIDIA GPUs of compute capability 8.0 or
-    more, bfloat16 or float16, head size <= 128 and a multiple of 8: 2.1x faster training steps for the MQA
-    baseline on an H100, docs/performance.md), else XLA."""
+    """``auto``: TPU splash attention when compiling for TPUs (float32 or bfloat16; the
+    platform is ``dispatch.target_platform()`` where the model is built: under the TPU mesh for
+    a compile-only TPU program), cuDNN flash attention where it runs (NVIDIA GPUs of compute
+    capability 8.0 or more, bfloat16 or float16, head size <= 128 and a multiple of 8: 2.1x
+    faster training steps for the MQA baseline on an H100, docs/performance.md), else XLA."""
     if self.attention_impl != "auto":
       return self.attention_impl
+    if dispatch.target_platform() == "tpu" and not splash_attention_problem(self.dtype):
+      return "splash"
     return "xla" if cudnn_attention_problem(self.dtype, self.head_dim) else "cudnn"
 
   @property
@@ -139,6 +171,20 @@ class ModelConfig:
     if self.gate_impl != "auto":
       return self.gate_impl
     return "pallas" if dispatch.target_platform() == "gpu" else "xla"
+
+  @property
+  def layers_scanned(self) -> bool:
+    """Whether the layers run as one ``lax.scan`` over stacked parameters (``Model``), which
+    keeps the compile time flat in depth. ``auto``: with rematerialisation (``remat`` block or
+    dots), where each block is recomputed anyway; unrolled without. Measured on an H100
+    (Griffin-400M, T=2048, 16 rows; docs/tpu.md): remat block, scanned 230 ms and 14.1 GiB
+    against 233 ms and 11.9 GiB unrolled (GLA-340M 271 against 285 ms); no remat, scanned
+    276 ms and 69.8 GiB against 191 ms and 38.0 GiB, and Hawk and GLA did not fit scanned."""
+    if isinstance(self.scan_layers, bool):
+      return self.scan_layers
+    if self.scan_layers == "auto":
+      return self.remat != "none"
+    return self.scan_layers == "true"
 
   @property
   def resolved_fused_rg_lru(self) -> bool:
@@ -205,6 +251,11 @@ class ModelConfig:
     if self.attention_impl not in ATTENTION_IMPLS:
       out.append(f"model.attention_impl={self.attention_impl!r} is not one of "
                  f"{'|'.join(ATTENTION_IMPLS)}")
+    elif self.attention_impl == "splash" and self.has_attention:
+      problem = splash_attention_problem(self.dtype)
+      if problem:
+        out.append(f"model.attention_impl='splash' {problem} (use model.attention_impl=xla "
+                   "or auto)")
     if not isinstance(self.fused_rg_lru, bool) and self.fused_rg_lru not in FUSED_RG_LRU:
       out.append(f"model.fused_rg_lru={self.fused_rg_lru!r} is not one of "
                  f"{'|'.join(FUSED_RG_LRU)}")
@@ -215,6 +266,9 @@ class ModelConfig:
                  "auto|pallas|xla_linear|xla_associative")
     if self.remat not in REMAT_POLICIES:
       out.append(f"model.remat={self.remat!r} is not one of {'|'.join(REMAT_POLICIES)}")
+    if not isinstance(self.scan_layers, bool) and self.scan_layers not in SCAN_LAYERS:
+      out.append(f"model.scan_layers={self.scan_layers!r} is not one of "
+                 f"{'|'.join(SCAN_LAYERS)}")
     if self.logits_soft_cap < 0:
       out.append(f"model.logits_soft_cap={self.logits_soft_cap} must be >= 0 (0 disables it)")
     return out
@@ -301,17 +355,36 @@ def _block_forward(block: ResidualBlock, x, segment_pos):
   return block(x, segment_pos)[0]
 
 
+# Logical name of the leading axis of layer-stacked parameters (``scan_layers``); never sharded.
+LAYERS = "layers"
+
+
 class Model(nnx.Module):
-  """A Griffin / Hawk / MQA / GLA language model."""
+  """A Griffin / Hawk / MQA / GLA language model.
+
+  Parameters: ``embedder``, the blocks, ``final_norm``. Unrolled (``scan_layers=False``), the
+  blocks are ``blocks[i]``, one per layer. Scanned, ``stacked_blocks[g]`` is one block per
+  position g of ``cfg.layer_pattern`` whose parameters hold layers ``g, g + P, g + 2P, ...``
+  (P the pattern's length) on a leading ``layers`` axis, and ``tail_blocks[k]`` are the layers
+  left after ``cfg.scan_repeats`` whole patterns; ``stack_layers`` and ``unstack_layers``
+  convert one parameter tree into the other.
+  """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     errors = cfg.errors()
     if errors:
       raise ValueError("; ".join(errors))
     self.cfg = cfg
-    keys = _part_keys(rngs.params(), len(cfg.resolved_block_types))
+    types = cfg.resolved_block_types
+    keys = _part_keys(rngs.params(), len(types))
     self.embedder = _embedder(cfg, keys[0])
-    self.blocks = nnx.List([_block(cfg, t, k) for t, k in zip(cfg.resolved_block_types, keys[1:])])
+    if cfg.layers_scanned:
+      self.stacked_blocks = nnx.List([
+          _stacked_block(cfg, t, jnp.stack([keys[1 + i] for i in stacked_layers(cfg, g)]))
+          for g, t in enumerate(cfg.layer_pattern)])
+      self.tail_blocks = nnx.List([_block(cfg, types[i], keys[1 + i]) for i in tail_layers(cfg)])
+    else:
+      self.blocks = nnx.List([_block(cfg, t, k) for t, k in zip(types, keys[1:])])
     self.final_norm = _final_norm(cfg)
 
   def __call__(
@@ -323,12 +396,17 @@ class Model(nnx.Module):
     kept apart by ``segment_pos`` (0 at each document's first token)."""
     x = self.embedder.encode(tokens)
     if self.cfg.remat == "none":
-      forward = _block_forward
+      forward = scanned_forward = _block_forward
     else:
       policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable
                 if self.cfg.remat == "dots" else None)
       forward = nnx.remat(_block_forward, policy=policy)
-    for block in self.blocks:
+      # (prevent_cse matters unrolled only: a scan already keeps XLA from merging the
+      # recomputation into the forward pass.)
+      scanned_forward = nnx.remat(_block_forward, policy=policy, prevent_cse=False)
+    if self.cfg.layers_scanned:
+      x = self._scan(scanned_forward, x, segment_pos)
+    for block in self.tail_blocks if self.cfg.layers_scanned else self.blocks:
       x = forward(block, x, segment_pos)
     return self._logits(x)
 
@@ -339,10 +417,14 @@ class Model(nnx.Module):
       cache: tuple,
   ) -> tuple[Float[Array, "b t v"], tuple]:
     """Logits of ``tokens`` following the tokens already in ``cache`` (prefill or decoding),
-    and the updated cache. Equals the full forward on the whole sequence."""
+    and the updated cache. Equals the full forward on the whole sequence.
+
+    Layer by layer, also with ``scan_layers`` (each layer a static slice of its stack): a scan
+    over stacked caches copies each layer's cache in and out at every step, which made
+    decoding 1.3B models on an H100 1.5x (Griffin) to 2.5x (MQA) slower."""
     x = self.embedder.encode(tokens)
     new_cache = []
-    for block, block_cache in zip(self.blocks, cache):
+    for block, block_cache in zip(self._layers(), cache):
       x, block_cache = block(x, segment_pos, block_cache)
       new_cache.append(block_cache)
     return self._logits(x), tuple(new_cache)
@@ -351,7 +433,33 @@ class Model(nnx.Module):
     """Empty decoding caches, one per block: constant size for recurrent and GLA blocks, the
     window for local attention, ``max_len`` tokens for global attention."""
     dtype = DTYPES[self.cfg.dtype]
-    return tuple(block.temporal.init_cache(batch_size, max_len, dtype) for block in self.blocks)
+    return tuple(block.temporal.init_cache(batch_size, max_len, dtype)
+                 for block in self._layers())
+
+  def _layers(self) -> list[ResidualBlock]:
+    """Every layer's block, in order (with ``scan_layers``, slices of the stacks)."""
+    if not self.cfg.layers_scanned:
+      return list(self.blocks)
+    by_index = dict(zip(tail_layers(self.cfg), self.tail_blocks))
+    for g, stack in enumerate(self.stacked_blocks):
+      graphdef, state = nnx.split(stack)
+      state = _without_layer_axis(state)
+      for j, i in enumerate(stacked_layers(self.cfg, g)):
+        by_index[i] = nnx.merge(graphdef, jax.tree.map(lambda x, j=j: x[j], state))
+    return [by_index[i] for i in range(len(self.cfg.resolved_block_types))]
+
+  def _scan(self, forward, x, segment_pos):
+    """``x`` through ``cfg.scan_repeats`` runs of the layer pattern: one ``lax.scan`` over the
+    stacked parameters, ``forward(block, x, segment_pos)`` for each block of a run."""
+    graphdef, stacked = nnx.split(self.stacked_blocks)
+    stacked = _without_layer_axis(stacked)  # (the metadata of the slices the scan takes)
+
+    def body(x, params):
+      for block in nnx.merge(graphdef, params):
+        x = forward(block, x, segment_pos)
+      return x, None
+
+    return jax.lax.scan(body, x, stacked)[0]
 
   def _logits(self, x):
     logits = self.embedder.decode(self.final_norm(x))
@@ -379,6 +487,38 @@ def _block(cfg: ModelConfig, block_type: str, key) -> ResidualBlock:
   return ResidualBlock(block_type, cfg, rngs=nnx.Rngs(params=key))
 
 
+def _stacked_block(cfg: ModelConfig, block_type: str, keys) -> ResidualBlock:
+  """One block per key (``vmap`` of ``_block``: each layer's values are those it has
+  unrolled), as one block whose parameters carry the layers on a leading ``layers`` axis."""
+  graphdefs = []
+
+  def one(key):
+    graphdef, state = nnx.split(_block(cfg, block_type, key))
+    graphdefs.append(graphdef)
+    return state
+
+  state = jax.tree.map(lambda v: v.replace(axes=(LAYERS, *v.get_metadata()["axes"])),
+                       jax.vmap(one)(keys), is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.merge(graphdefs[0], state)
+
+
+def _without_layer_axis(state):
+  """A State of stacked parameters whose ``axes`` metadata is one layer's (for slices)."""
+  return jax.tree.map(lambda v: v.replace(axes=v.get_metadata()["axes"][1:]), state,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def stacked_layers(cfg: ModelConfig, position: int) -> range:
+  """The layers (block indices) stacked in ``stacked_blocks[position]``."""
+  pattern = len(cfg.layer_pattern)
+  return range(position, cfg.scan_repeats * pattern, pattern)
+
+
+def tail_layers(cfg: ModelConfig) -> range:
+  """The layers after the scan (``tail_blocks``): those left over from whole patterns."""
+  return range(cfg.scan_repeats * len(cfg.layer_pattern), len(cfg.resolved_block_types))
+
+
 def _final_norm(cfg: ModelConfig) -> layers.RMSNorm:
   return layers.RMSNorm(cfg.width, param_dtype=DTYPES[cfg.param_dtype])
 
@@ -394,10 +534,13 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings=None) -> nnx.State:
   One jitted program per part (embedder, each kind of block, final norm) rather than one
   for the whole model: blocks of one kind share their compiled program, so the compile time
   no longer grows with depth. (A single program over all 24 blocks of GLA 340M compiled for
-  more than 8 minutes on an H100, and takes about 1 s per block on the CPU.)
+  more than 8 minutes on an H100, and takes about 1 s per block on the CPU.) With
+  ``scan_layers`` each stack of layers is one program that vmaps a block's initialisation over
+  the layers' keys: the same values as unrolled, layer by layer.
   """
   model = nnx.eval_shape(lambda: init_model(cfg, seed))
-  keys = _part_keys(nnx.Rngs(params=seed).params(), len(cfg.resolved_block_types))
+  types = cfg.resolved_block_types
+  keys = _part_keys(nnx.Rngs(params=seed).params(), len(types))
   sharding = lambda *path: None if shardings is None else functools.reduce(
       lambda sub, name: sub[name], path, shardings)
   programs = {}
@@ -410,14 +553,78 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings=None) -> nnx.State:
                                     out_shardings=out_shardings)
     return programs[signature](*args)
 
+  def block(blocks, name, k, i):
+    nnx.update(blocks[k], made(types[i], functools.partial(_block, cfg, types[i]),
+                               sharding(name, k), keys[1 + i]))
+
   nnx.update(model.embedder,
              made("embedder", functools.partial(_embedder, cfg), sharding("embedder"), keys[0]))
-  for i, (block_type, key) in enumerate(zip(cfg.resolved_block_types, keys[1:])):
-    nnx.update(model.blocks[i], made(block_type, functools.partial(_block, cfg, block_type),
-                                     sharding("blocks", i), key))
+  if cfg.layers_scanned:
+    for g, block_type in enumerate(cfg.layer_pattern):
+      layer_keys = jnp.stack([keys[1 + i] for i in stacked_layers(cfg, g)])
+      nnx.update(model.stacked_blocks[g],
+                 made(("stacked", block_type), functools.partial(_stacked_block, cfg, block_type),
+                      sharding("stacked_blocks", g), layer_keys))
+    for k, i in enumerate(tail_layers(cfg)):
+      block(model.tail_blocks, "tail_blocks", k, i)
+  else:
+    for i in range(len(types)):
+      block(model.blocks, "blocks", i, i)
   nnx.update(model.final_norm,
              made("final_norm", functools.partial(_final_norm, cfg), sharding("final_norm")))
   return nnx.state(model)
+
+
+def stack_layers(tree: dict, cfg: ModelConfig) -> dict:
+  """A parameter tree in the per-layer layout (``blocks/i``: the unrolled model's, the
+  importer's) -> the scanned layout of ``cfg`` (``stacked_blocks/g``, ``tail_blocks/k``; see
+  ``Model``). ``tree`` is a nested dict (``nnx.to_pure_dict``) of arrays or ShapeDtypeStructs
+  (whose shardings gain an unsharded leading axis); parts other than the blocks pass through.
+  """
+  tree = dict(tree)
+  blocks = {int(i): block for i, block in tree.pop("blocks").items()}
+  tree["stacked_blocks"] = {
+      g: jax.tree.map(lambda *group: _stack(group), *(blocks[i] for i in stacked_layers(cfg, g)))
+      for g in range(len(cfg.layer_pattern))}
+  if tail_layers(cfg):  # (an empty List has no entry in the State)
+    tree["tail_blocks"] = {k: blocks[i] for k, i in enumerate(tail_layers(cfg))}
+  return tree
+
+
+def unstack_layers(tree: dict, cfg: ModelConfig) -> dict:
+  """The inverse of ``stack_layers``: a scanned parameter tree -> the per-layer layout."""
+  tree = dict(tree)
+  stacked = {int(g): group for g, group in tree.pop("stacked_blocks").items()}
+  tail = {int(k): block for k, block in tree.pop("tail_blocks", {}).items()}
+  blocks = {}
+  for g, group in stacked.items():
+    for j, i in enumerate(stacked_layers(cfg, g)):
+      blocks[i] = jax.tree.map(lambda x, j=j: _layer(x, j), group)
+  for k, i in enumerate(tail_layers(cfg)):
+    blocks[i] = tail[k]
+  tree["blocks"] = {i: blocks[i] for i in range(len(cfg.resolved_block_types))}
+  return tree
+
+
+def _stack(group: tuple):
+  """Arrays (or ShapeDtypeStructs) of the same parameter of several layers, stacked."""
+  first = group[0]
+  if isinstance(first, jax.ShapeDtypeStruct):
+    sharding = first.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      sharding = sharding.update(spec=jax.sharding.PartitionSpec(None, *sharding.spec))
+    return jax.ShapeDtypeStruct((len(group), *first.shape), first.dtype, sharding=sharding)
+  return jnp.stack(group)
+
+
+def _layer(x, j: int):
+  """Layer ``j`` of a stacked array (or ShapeDtypeStruct)."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    sharding = x.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      sharding = sharding.update(spec=jax.sharding.PartitionSpec(*sharding.spec[1:]))
+    return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sharding)
+  return x[j]
 
 
 def count_params(cfg: ModelConfig) -> int:

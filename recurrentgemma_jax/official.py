@@ -50,6 +50,8 @@ def infer_config(tree: Mapping[str, Any], *, attention_window_size: int = 2048,
                             f"(keys: {sorted(block)})")
   embedding_dtype = np.dtype(getattr(params["embedder"]["input_embedding"], "dtype", "float32"))
   fields.setdefault("param_dtype", "bfloat16" if embedding_dtype.name == "bfloat16" else "float32")
+  # ``convert_params`` writes the canonical per-layer tree; a scanned model stacks it on loading.
+  fields.setdefault("scan_layers", False)
   return model_lib.ModelConfig(
       family="griffin" if "attention" in block_types else "hawk",
       vocab_size=int(vocab_size), width=int(width), num_layers=num_layers,

@@ -193,15 +193,23 @@ class Checkpoints:
         data=ocp.args.JsonSave(data_state),
         meta=ocp.args.JsonSave(meta | {"step": step})))
 
-  def restore_latest(self, abstract_state, log) -> tuple[Any, Any] | None:
-    """The newest readable ``(state, data_state)``; unreadable ones are moved aside."""
+  def restore_latest(self, abstract_state, log, model_cfg=None) -> tuple[Any, Any] | None:
+    """The newest readable ``(state, data_state)``; unreadable ones are moved aside. A
+    checkpoint whose layer layout (``model.scan_layers``) is not ``model_cfg``'s is converted
+    (None: the layouts are taken to agree)."""
     ocp = self.ocp
     for step in sorted(self.manager.all_steps(), reverse=True):
-      params_target = nnx.to_pure_dict(abstract_state["params"])
+      target = {"params": nnx.to_pure_dict(abstract_state["params"]),
+                "opt_state": abstract_state["opt_state"]}
+      saved_cfg = None
       try:
+        if model_cfg is not None:
+          saved_cfg, _ = ckpt_lib.read_model_config(os.path.join(self.directory, str(step)))
+        on_disk = {name: ckpt_lib.relayout(tree, model_cfg, saved_cfg)
+                   for name, tree in target.items()} if saved_cfg else target
         restored = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(params_target),
-            opt_state=ocp.args.StandardRestore(abstract_state["opt_state"]),
+            params=ocp.args.StandardRestore(on_disk["params"]),
+            opt_state=ocp.args.StandardRestore(on_disk["opt_state"]),
             data=ocp.args.JsonRestore()))
       except Exception as e:  # pylint: disable=broad-except  (any damage: try the previous one)
         aside = os.path.join(self.directory, f"{step}.unreadable-{int(time.time())}")
@@ -213,9 +221,18 @@ class Checkpoints:
           multihost_utils.sync_global_devices(f"checkpoint {step} moved aside")
         self.manager.reload()
         continue
-      params = ckpt_lib.state_from_pure_dict(abstract_state["params"], restored["params"])
-      state = {"step": jnp.asarray(step, jnp.int32), "params": params,
-               "opt_state": restored["opt_state"]}
+      trees = {"params": restored["params"], "opt_state": restored["opt_state"]}
+      if saved_cfg is not None and saved_cfg.layers_scanned != model_cfg.layers_scanned:
+        log(f"converting checkpoint step {step} to model.scan_layers="
+            f"{str(model_cfg.layers_scanned).lower()}")
+        trees = jax.jit(
+            lambda trees: {name: ckpt_lib.relayout(tree, saved_cfg, model_cfg)
+                           for name, tree in trees.items()},
+            out_shardings=jax.tree.map(lambda x: x.sharding, target))(trees)
+      params = ckpt_lib.state_from_pure_dict(abstract_state["params"], trees["params"])
+      state = {"step": jax.device_put(jnp.asarray(step, jnp.int32),
+                                      abstract_state["step"].sharding),
+               "params": params, "opt_state": trees["opt_state"]}
       return state, restored["data"]
     return None
 
@@ -251,7 +268,8 @@ class Setup:
     sharded."""
     param_sh = self.state_shardings["params"]
     if config.init_from:
-      params = ckpt_lib.restore_params(config.init_from, self.params_abstract, param_sh)
+      params = ckpt_lib.restore_params(config.init_from, self.params_abstract, param_sh,
+                                       cfg=self.model_cfg)
     else:
       params = model_lib.init_params(self.model_cfg, config.seed, param_sh)
     return {"step": jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings["step"]),
@@ -286,6 +304,9 @@ def setup(config: ml_collections.ConfigDict, devices=None) -> Setup:
     raise ConfigError(f"batch_size={config.batch_size} is not divisible by the "
                       f"{mesh.shape[partitioning.DATA]} devices on the data axis")
   with jax.set_mesh(mesh):  # kernels ("auto" settings) for the mesh's platform, not the host's
+    # The parameter layout is fixed here (initialisation, restoring and the checkpoints
+    # written all follow this config).
+    model_cfg = dataclasses.replace(model_cfg, scan_layers=model_cfg.layers_scanned)
     model_abstract = nnx.eval_shape(lambda: model_lib.init_model(model_cfg, config.seed))
   graphdef, params_abstract = nnx.split(model_abstract)
   tx, schedule = make_optimizer(config.optimizer, config.total_steps)
@@ -314,7 +335,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   log = print if jax.process_index() == 0 else (lambda *_: None)
   n_params = sum(x.size for x in jax.tree.leaves(plan.params_abstract))
   checkpoints = Checkpoints(workdir, config.keep_checkpoints)
-  restored = checkpoints.restore_latest(plan.abstract_state, log)
+  restored = checkpoints.restore_latest(plan.abstract_state, log, model_cfg)
   shard_index, shard_count = partitioning.process_data_shard(mesh)
   train_iter = data.make_train_iterator(config, process_index=shard_index,
                                         process_count=shard_count)

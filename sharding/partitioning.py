@@ -36,6 +36,7 @@ RULES: dict[str, str | None] = {
     "blocks": "model",
     "kv": None,
     "batch": "data",  # activations only: rows of a batch
+    "layers": None,  # the layer axis of stacked parameters (scan_layers): see spec()
 }
 DATA, MODEL = "data", "model"
 
@@ -75,7 +76,13 @@ def spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, *,
 
   A mesh axis is used at most once and only on a dimension it divides; ``over_data`` adds
   ``data`` on the largest remaining dimension it divides (ZeRO).
+
+  A parameter stacked over layers (leading axis ``layers``, ``model.scan_layers``) is split as
+  one of its layers is, that axis whole: the scan takes one layer per step, so a split layer
+  axis would have every device gather the whole stack (ZeRO-3 gathers one layer per step).
   """
+  if axes and axes[0] == "layers":
+    return P(None, *spec(axes[1:], shape[1:], mesh, over_data=over_data))
   names: list[str | None] = []
   for axis, size in zip(axes, shape):
     mesh_axis = RULES.get(axis) if axis else None

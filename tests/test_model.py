@@ -32,11 +32,13 @@ def perturbed(module, seed, scale=0.3):
   return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
 
-def test_init_params_equals_the_whole_model_program_and_shards_each_part():
-  """Part by part (one program per kind of block), the values of one jitted init of the whole
-  model, bit for bit; with shardings, every array lands with its parameter's sharding."""
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_init_params_equals_the_whole_model_program_and_shards_each_part(scan_layers):
+  """Part by part (one program per kind of block, or of stacked layers), the values of one
+  jitted init of the whole model, bit for bit; with shardings, every array lands with its
+  parameter's sharding."""
   from sharding import partitioning  # pylint: disable=g-import-not-at-top
-  cfg = tiny_config(num_layers=5, width=32, mlp_expanded_width=48)
+  cfg = tiny_config(num_layers=5, width=32, mlp_expanded_width=48, scan_layers=scan_layers)
   whole = jax.jit(lambda: nnx.state(model_lib.init_model(cfg, 7)))()
   mesh = partitioning.make_mesh(2, 2, jax.devices()[:4])
   shardings = partitioning.param_shardings(
@@ -50,8 +52,12 @@ def test_init_params_equals_the_whole_model_program_and_shards_each_part():
     assert a.sharding == s
   assert any(not s.is_fully_replicated for s in jax.tree.leaves(shardings))
   # Each block's values come from its own key: blocks of one kind differ.
-  assert not np.array_equal(parts["blocks"][0]["recurrent_block"]["linear_x"]["kernel"].value,
-                            parts["blocks"][1]["recurrent_block"]["linear_x"]["kernel"].value)
+  blocks = nnx.to_pure_dict(parts)
+  if scan_layers:
+    blocks = model_lib.unstack_layers(blocks, cfg)
+  blocks = blocks["blocks"]
+  assert not np.array_equal(blocks[0]["recurrent_block"]["linear_x"]["kernel"],
+                            blocks[1]["recurrent_block"]["linear_x"]["kernel"])
 
 
 @pytest.mark.parametrize("block_type", BLOCK_TYPES)
@@ -195,8 +201,8 @@ def test_attention_impl_auto_picks_xla_off_gpus_and_explicit_choices_stand():
   assert dataclasses.replace(cfg, dtype="float32").resolved_attention_impl == "xla"
   for impl in ("xla", "cudnn"):
     assert dataclasses.replace(cfg, attention_impl=impl).resolved_attention_impl == impl
-  blocks = model_lib.Model(dataclasses.replace(cfg, block_types=("attention",) * 2),
-                            rngs=nnx.Rngs(0)).blocks
+  blocks = model_lib.Model(dataclasses.replace(cfg, block_types=("attention",) * 2,
+                                               scan_layers=False), rngs=nnx.Rngs(0)).blocks
   assert {b.temporal.impl for b in blocks} == {"xla"}
 
 

@@ -1,17 +1,22 @@
 """Sampling through the decoding caches equals the full forward; official greedy parity."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from recurrentgemma_jax import attention as attention_lib
 from recurrentgemma_jax import model as model_lib
 from recurrentgemma_jax import sampling
 from test_model import perturbed, tiny_config
 
 
-@pytest.mark.parametrize("family", ["griffin", "hawk", "mqa", "gla"])
-def test_cached_sampling_logits_equal_the_full_forward(family):
-  cfg = tiny_config(family=family, num_layers=3, attention_window_size=3)
+@pytest.mark.parametrize("family,scan_layers", [("griffin", True), ("hawk", True), ("mqa", True),
+                                                ("gla", True), ("griffin", False)])
+def test_cached_sampling_logits_equal_the_full_forward(family, scan_layers):
+  # (scanned griffin: 4 layers, one pattern R, R, A in the layer scan, then one R unrolled)
+  cfg = tiny_config(family=family, num_layers=4 if family == "griffin" else 3,
+                    attention_window_size=3, scan_layers=scan_layers)
   model = perturbed(model_lib.init_model(cfg, seed=3), seed=4, scale=0.1)
   rng = np.random.default_rng(5)
   prompts = [list(rng.integers(0, 53, n)) for n in (9, 2, 5)]  # 9 > window; mixed lengths
@@ -155,7 +160,7 @@ def test_decode_benchmark_script_times_every_family(tmp_path):
 def test_gpu_decode_kernel_gives_the_full_forward_logits(family):
   """The GPU decode path (global caches in whole blocks, a kernel reading only the filled
   slots; here in Pallas' interpreter) gives the logits of the full forward."""
-  cfg = tiny_config(family=family, num_layers=3, attention_window_size=3)
+  cfg = tiny_config(family=family, num_layers=3, attention_window_size=3, scan_layers=False)
   model = perturbed(model_lib.init_model(cfg, seed=3), seed=4, scale=0.1)
   rng = np.random.default_rng(6)
   prompts = [list(rng.integers(0, 53, n)) for n in (7, 2, 4)]
@@ -164,8 +169,10 @@ def test_gpu_decode_kernel_gives_the_full_forward_logits(family):
   assert attention
   for module in attention:
     module.impl = "cudnn"  # only the decoding path reads it here: the GPU decode kernel
-  assert model.init_cache(3, 9)[0 if family == "mqa" else 2].keys.shape[1] == (
-      128 if family == "mqa" else 4)  # whole decode blocks; window + 1
+  caches = jax.tree.leaves(model.init_cache(3, 9),
+                           is_leaf=lambda c: isinstance(c, attention_lib.AttentionCache))
+  assert {c.keys.shape[-2] for c in caches if isinstance(c, attention_lib.AttentionCache)} == {
+      128 if family == "mqa" else 4}  # whole decode blocks; window + 1
   out = sampling.sample(model, prompts, sampling.SamplingParams(max_new_tokens=5),
                         return_logits=True)
   for module in attention:
