@@ -190,7 +190,10 @@ class Embedder(nnx.Module):
                                  param_dtype, ("vocab", "embed"))
 
   def encode(self, tokens: Int[Array, "b t"]) -> Float[Array, "b t d"]:
-    x = jnp.take(self.input_embedding.value, tokens, axis=0).astype(self.dtype)
+    # The table as it is used (gathered over ``data`` under ZeRO-3): looked up from a table
+    # split over ``data`` by width, XLA gathered the looked-up [B, T, D] rows instead.
+    table = partitioning.as_used(self.input_embedding.value, ("vocab", "embed"))
+    x = jnp.take(table, tokens, axis=0).astype(self.dtype)
     if self.scale_by_sqrt_dim:
       # RecurrentGemma was trained with the factor rounded to bfloat16; keep that rounding so
       # official checkpoints give the official outputs.

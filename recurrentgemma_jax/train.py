@@ -91,7 +91,11 @@ def train_step_from_loss(loss_sum, tx, schedule, accum_steps: int):
 
   def step(state, batch):
     params = state["params"]
-    micro = jax.tree.map(lambda x: x.reshape(accum_steps, -1, *x.shape[1:]), batch)
+    # Micro-batch k is rows k, k + A, k + 2A, ... (A = accum_steps): each device's rows
+    # (contiguous under ``data``) stay on it. (Contiguous micro-batches, rows k*B/A onwards,
+    # would each be one data shard's: every device computed every micro-batch.)
+    micro = jax.tree.map(
+        lambda x: x.reshape(-1, accum_steps, *x.shape[1:]).swapaxes(0, 1), batch)
 
     def accumulate(carry, mb):
       (loss, count), grads = grad_fn(params, mb)

@@ -95,6 +95,16 @@ def spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, *,
   return P(*names)
 
 
+def as_used(x, axes: tuple[str | None, ...]):
+  """A parameter constrained to its sharding without ZeRO's ``data`` split, under the mesh set
+  with ``jax.set_mesh`` (else ``x`` itself): ZeRO-3's gather of a weight where it is used, made
+  explicit where XLA would otherwise move activations instead."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return x
+  return jax.lax.with_sharding_constraint(x, spec(axes, x.shape, mesh))
+
+
 def _shardings(model_abstract, mesh: Mesh, over_data: bool):
   """A State shaped like the parameters' whose leaves are NamedShardings."""
   def sharding(v: nnx.Variable):

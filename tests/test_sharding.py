@@ -150,6 +150,25 @@ def test_zero1_cuts_optimizer_state_bytes_per_device_8x():
   assert 7.0 <= sizes[0] / sizes[1] <= 8.0, sizes
 
 
+def test_gradient_accumulation_keeps_each_devices_rows_on_it():
+  """Micro-batches are taken within each data shard: the same loss as one step over the
+  batch, and no device needs another's rows (micro-batches made of whole data shards were
+  all-gathered: every device computed every micro-batch)."""
+  losses = {}
+  for accum in (1, 2):
+    config = small_config(**{"mesh.data": 4, "optimizer.grad_accum_steps": accum})
+    plan = train.setup(config, jax.devices()[:4])
+    batch = {k: jax.device_put(v, plan.batch_sharding)
+             for k, v in next(data.make_train_iterator(config)).items()}
+    compiled = plan.jit_train_step(accum).lower(plan.abstract_state, batch).compile()
+    moved = re.findall(r" (all-gather|all-to-all|collective-permute)(?:-start)?\(",
+                       compiled.as_text())
+    assert not moved, (accum, moved)
+    _, metrics = compiled(plan.initial_state(config), batch)
+    losses[accum] = float(metrics["loss"])
+  np.testing.assert_allclose(losses[2], losses[1], rtol=1e-5)
+
+
 def test_checkpoint_from_one_mesh_restores_on_others(tmp_path):
   config = small_config(**{"mesh.data": 2, "mesh.model": 4, "total_steps": 2,
                            "checkpoint_every": 2, "log_every": 1, "eval_every": 0})

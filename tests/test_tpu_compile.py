@@ -109,3 +109,45 @@ def test_on_a_cpu_the_same_calls_run_interpreted():
   x = jnp.ones((2, 20, 128), jnp.float32)
   y, h_last = pallas_kernels.linear_scan(x, 0.5 * x)
   np.testing.assert_allclose(h_last, 2.0 * (1 - 0.5**20) * np.ones((2, 128)), rtol=1e-6)
+
+
+# The training step of each family, as train.py would run it on a 2 x 2 TPU slice.
+FAMILY_KERNELS = {"griffin": 2, "hawk": 2, "gla": 4, "mqa": 2}  # Mosaic calls at least
+
+
+def tiny_config(family, zero):
+  from recurrentgemma_jax import configlib  # pylint: disable=g-import-not-at-top
+  config = configlib.load("configs/default.py")
+  config.model.update(family=family, width=128, lru_width=128, num_layers=3, num_heads=2,
+                      num_gate_blocks=2, mlp_expanded_width=256, attention_window_size=64,
+                      dtype="bfloat16", remat="block")
+  config.update(batch_size=8, seq_len=256, zero=zero)
+  config.mesh.update(data=2, model=2)
+  return config
+
+
+def all_gather_shapes(text):
+  """The result shapes of the all-gathers in an optimised HLO text."""
+  import re  # pylint: disable=g-import-not-at-top
+  shapes = re.findall(r"= \(?\w+\[([\d,]*)\][^\n]*? all-gather(?:-start)?\(", text)
+  return [tuple(int(d) for d in s.split(",") if d) for s in shapes]
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+@pytest.mark.parametrize("family", list(FAMILY_KERNELS))
+def test_training_step_of_each_family_compiles_for_tpu(family, zero):
+  from recurrentgemma_jax import aot, train  # pylint: disable=g-import-not-at-top
+  config = tiny_config(family, zero)
+  mesh = tpu_mesh("v5e:2x2")
+  plan = train.setup(config, devices=list(mesh.devices.flat))
+  assert plan.model_cfg.scan_layers is True  # auto: the layer scan, with remat
+  batch = aot.abstract_batch(config, plan.batch_sharding)
+  text = plan.jit_train_step(1).lower(plan.abstract_state, batch).compile().as_text()
+  assert text.count('custom_call_target="tpu_custom_call"') >= FAMILY_KERNELS[family]
+  assert "callback" not in text
+  # Around the kernels each device keeps its rows (and channels): no all-gather of whole
+  # [B, T, ...] activations. (ZeRO-3 gathers parameters, which is expected.)
+  b, t = config.batch_size, config.seq_len
+  assert not [s for s in all_gather_shapes(text) if s[:2] == (b, t)], all_gather_shapes(text)
+  if zero == 3:
+    assert all_gather_shapes(text), "ZeRO-3 gathers the parameters where they are used"
