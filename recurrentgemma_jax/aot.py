@@ -376,17 +376,18 @@ class StepReport:
 
 
 def compile_step(config: ml_collections.ConfigDict, devices, *, with_eval: bool = True,
-                 hbm_bytes: int | None = None, analyse: bool = True) -> StepReport:
+                 hbm_bytes: int | None = None, analyse: bool = True, plan=None) -> StepReport:
   """Compiles ``train.run``'s training step (and evaluation step) for ``config`` on
   ``devices`` (real or compile-only) without allocating anything.
 
   ``config`` must be valid for these devices (:func:`validate`). ``hbm_bytes`` overrides the
   per-device capacity the report is judged against (default: :func:`hbm_capacity`).
   ``analyse=False`` skips the FLOPs/bytes count of the HLO text (a fit check needs memory only).
+  ``plan``: ``train.setup(config, devices)`` when the caller has it already.
   """
   from recurrentgemma_jax import train  # pylint: disable=g-import-not-at-top
   devices = list(devices)
-  plan = train.setup(config, devices)
+  plan = plan or train.setup(config, devices)
   mesh = plan.mesh
   accum = config.optimizer.grad_accum_steps
   cfg = plan.model_cfg
@@ -524,3 +525,75 @@ def search(config: ml_collections.ConfigDict, devices, *, hbm_bytes: int | None 
     analyse_step(chosen)
     return SearchResult(chosen, remat, candidates[hi], len(tried), tried)
   return SearchResult(None, None, None, len(tried), tried)
+
+
+# -- the fit check before a run allocates anything ---------------------------------------------
+
+def device_memory(device) -> int | None:
+  """Bytes one device can hold: the runtime's limit on GPUs and TPUs (the table's for
+  compile-only TPUs); on a CPU the machine's available memory shared by its local devices."""
+  if device.platform == "cpu":
+    try:
+      with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+      available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+      return None
+    return available // max(1, len(device.client.local_devices()))
+  return hbm_capacity(device)
+
+
+def state_bytes_per_device(abstract_state) -> int:
+  """Bytes of a train state (ShapeDtypeStructs with shardings) on its busiest device."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(abstract_state))
+
+
+def fit_check(config: ml_collections.ConfigDict, plan, devices, *, limit: int | None,
+              log=lambda _: None) -> StepReport:
+  """Compiles ``train.run``'s training and evaluation steps for ``plan`` (nothing allocated)
+  and returns the report, whose compiled programs the run then uses. Raises ConfigError, one
+  line, when they need more than ``limit`` bytes per device (None: no limit), naming what would
+  fit as flags, found by compiling alternatives (``search``: remat and micro-batch; ZeRO 3 over
+  the data axis); when the parameters and optimizer state alone exceed the limit, says so
+  without compiling."""
+  devices = list(devices)
+  state = state_bytes_per_device(plan.abstract_state)
+  if limit is not None and state > limit:
+    total = sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(plan.abstract_state))
+    raise ConfigError(
+        f"does not fit: the parameters and optimizer state alone need {human_bytes(state)} per "
+        f"device, {human_bytes(limit)} available; in all they take {human_bytes(total)}, so "
+        f"they need --config.zero=3 over at least {math.ceil(total / limit)} such devices")
+  report = compile_step(config, devices, hbm_bytes=limit, analyse=False, plan=plan)
+  failed = [p for p in report.programs if p.compiled is None and not p.out_of_memory]
+  if failed:
+    raise CompileError(f"the step did not compile: {failed[0].error}")
+  if limit is None or report.fits:
+    return report
+  worst = report.worst
+  if report.train.memory.total <= limit:  # evaluation runs whole batches: no remat, no micro-batch
+    raise ConfigError(
+        f"does not fit: the evaluation step needs {human_bytes(worst.memory.total)} per device, "
+        f"{human_bytes(limit)} available (the training step "
+        f"{human_bytes(report.train.memory.total)}): use a smaller batch_size")
+  need = f"needs {human_bytes(worst.memory.total)} per device, {human_bytes(limit)} available"
+  log(f"the step {need}; compiling alternatives to find one that fits")
+  trials = [config]
+  if config.zero != 3 and plan.mesh.shape["data"] > 1:
+    zero3 = ml_collections.ConfigDict(config.to_dict())
+    zero3.zero = 3
+    trials.append(zero3)
+  for trial in trials:
+    found = search(trial, devices, hbm_bytes=limit)
+    if found.report is not None:
+      flags = (["--config.zero=3"] if trial is not config else []) + [
+          f"--config.model.remat={found.remat}",
+          f"--config.optimizer.grad_accum_steps={found.accum_steps}"]
+      raise ConfigError(
+          f"does not fit: the training step {need}: use {' '.join(flags)} (compiled: "
+          f"{human_bytes(found.report.worst.memory.total)} per device)")
+  raise ConfigError(
+      f"does not fit: the training step {need}, and no remat policy or micro-batch (down to "
+      f"one row per data shard) fits at batch_size={config.batch_size} on {len(devices)} "
+      "devices: use more devices, a smaller model.seq_len or batch_size")

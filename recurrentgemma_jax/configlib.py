@@ -36,6 +36,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.keep_checkpoints = 3        # Most recent checkpoints kept.
   c.init_from = ""              # A model checkpoint to start from (fine-tuning), e.g. imported.
   c.zero = 0                    # 0: replicated, 1: optimizer state sharded over data, 3: params too.
+  c.memory_limit_gib = 0.0      # Per-device memory the fit check allows (0: what the device has).
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1              # Devices on the data axis (-1: the remaining devices).
   c.mesh.model = 1              # Devices on the model (tensor-parallel) axis (-1: the remaining).
@@ -172,6 +173,8 @@ def validate(config: ml_collections.ConfigDict, *, process_count: int = 1,
     errors.append(f"eval_every={config.eval_every!r} must be >= 0 (0: only at the end)")
   if config.zero not in (0, 1, 3):
     errors.append(f"zero={config.zero!r} is not one of 0|1|3")
+  if not config.memory_limit_gib >= 0:
+    errors.append(f"memory_limit_gib={config.memory_limit_gib} must be >= 0 (0: the device's)")
   opt = config.optimizer
   if not opt.learning_rate > 0:
     errors.append(f"optimizer.learning_rate={opt.learning_rate} must be > 0")

@@ -25,7 +25,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from recurrentgemma_jax import checkpoint as ckpt_lib
-from recurrentgemma_jax import configlib, data, flops
+from recurrentgemma_jax import aot, configlib, data, flops
 from recurrentgemma_jax import model as model_lib
 from recurrentgemma_jax.errors import ConfigError, first_line
 from sharding import distributed, partitioning
@@ -332,11 +332,21 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains (or resumes) according to ``config``; returns the last logged metrics."""
   distributed.initialize()
   configlib.validate(config, process_count=jax.process_count(), device_count=jax.device_count())
-  os.makedirs(workdir, exist_ok=True)
   plan = setup(config)
   model_cfg, mesh = plan.model_cfg, plan.mesh
 
   log = print if jax.process_index() == 0 else (lambda *_: None)
+  # The fit check, before anything is allocated or written: the steps are compiled here (and
+  # then used), their memory compared with the devices'.
+  devices = list(mesh.devices.flat)
+  limit = int(config.memory_limit_gib * 2**30) or aot.device_memory(devices[0])
+  started = time.perf_counter()
+  log("compiling the training and evaluation steps")
+  compiled = aot.fit_check(config, plan, devices, limit=limit, log=log)
+  log(f"compiled in {time.perf_counter() - started:.1f} s: "
+      f"{aot.human_bytes(compiled.worst.memory.total)} per device of "
+      f"{aot.human_bytes(limit) if limit else 'an unknown amount'}")
+  os.makedirs(workdir, exist_ok=True)
   n_params = sum(x.size for x in jax.tree.leaves(plan.params_abstract))
   checkpoints = Checkpoints(workdir, config.keep_checkpoints)
   restored = checkpoints.restore_latest(plan.abstract_state, log, model_cfg)
@@ -365,8 +375,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       f"step {start} of {config.total_steps}")
 
   batch_sh = plan.batch_sharding
-  train_step = plan.jit_train_step(config.optimizer.grad_accum_steps)
-  eval_step = plan.jit_eval_step()
+  train_step, eval_step = compiled.train.compiled, compiled.eval.compiled
   eval_batches = data.make_eval_batches(config, process_index=shard_index,
                                         process_count=shard_count)
 
@@ -394,10 +403,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   pending: list[tuple[int, dict]] = []
   last_record: dict[str, Any] = {}
   interval_start, interval_steps = time.perf_counter(), 0
-  if start < config.total_steps:
-    log("compiling the training step (the first logged interval includes it)")
+  phase, step = "training step", start
   try:
     for step in range(start + 1, config.total_steps + 1):
+      phase = "training step"
       batch = _place(next(train_iter), batch_sh, config.batch_size)
       state, metrics = train_step(state, batch)
       pending.append((step, metrics))
@@ -427,9 +436,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             f"{tokens_per_sec:,.0f} tok/s  ETA {int(eta // 60)}m{int(eta % 60):02d}s"))
         interval_start, interval_steps = time.perf_counter(), 0
       if at_checkpoint or stop["signal"]:
+        phase = "saving"
         save(step)
         last_good = step
       if (config.eval_every and step % config.eval_every == 0) or step == config.total_steps:
+        phase = "evaluation"
         eval_record = evaluate(step)
       if interval_steps == 0:  # keep evaluation and saving out of the step timing
         interval_start = time.perf_counter()
@@ -437,6 +448,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         checkpoints.wait()
         writer.message(f"stopped by signal {stop['signal']} after saving step {step}")
         return last_record
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    raise ConfigError(f"out of device memory at step {step} ({phase}): {first_line(e, 200)}; "
+                      f"the last checkpoint is step {last_good} in {checkpoints.directory}"
+                      ) from None
   finally:
     checkpoints.wait()
     signal.signal(signal.SIGTERM, previous)
