@@ -159,8 +159,17 @@ def chip_of(device) -> Chip | None:
   return next((c for c in CHIPS.values() if c.device_kind == kind), None)
 
 
-def hbm_capacity(device) -> int | None:
-  """Bytes of HBM on one device: what the runtime says (an attached device), else the table."""
+def device_memory(device) -> int | None:
+  """Bytes one device can hold: the runtime's limit on GPUs and TPUs (the table's for
+  compile-only TPUs); on a CPU the machine's available memory shared by its local devices."""
+  if device.platform == "cpu":
+    try:
+      with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+      available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+      return None
+    return available // max(1, len(device.client.local_devices()))
   try:
     limit = (device.memory_stats() or {}).get("bytes_limit")
   except Exception:  # pylint: disable=broad-except  (compile-only devices have no runtime)
@@ -381,7 +390,7 @@ def compile_step(config: ml_collections.ConfigDict, devices, *, with_eval: bool 
   ``devices`` (real or compile-only) without allocating anything.
 
   ``config`` must be valid for these devices (:func:`validate`). ``hbm_bytes`` overrides the
-  per-device capacity the report is judged against (default: :func:`hbm_capacity`).
+  per-device capacity the report is judged against (default: :func:`device_memory`).
   ``analyse=False`` skips the FLOPs/bytes count of the HLO text (a fit check needs memory only).
   ``plan``: ``train.setup(config, devices)`` when the caller has it already.
   """
@@ -400,7 +409,7 @@ def compile_step(config: ml_collections.ConfigDict, devices, *, with_eval: bool 
       seq_len=config.seq_len, tokens_per_step=config.batch_size * config.seq_len,
       parameters=sum(x.size for x in jax.tree.leaves(plan.params_abstract)),
       model_flops_per_token=flops.train_flops_per_token(cfg, config.seq_len),
-      hbm_per_chip_bytes=hbm_bytes or hbm_capacity(device),
+      hbm_per_chip_bytes=hbm_bytes or device_memory(device),
       train=Program(None, Memory(), 0.0),
       peak_flops=flops.device_peak_flops(device),
       hbm_bandwidth=chip.hbm_bandwidth if chip else None)
@@ -529,35 +538,22 @@ def search(config: ml_collections.ConfigDict, devices, *, hbm_bytes: int | None 
 
 # -- the fit check before a run allocates anything ---------------------------------------------
 
-def device_memory(device) -> int | None:
-  """Bytes one device can hold: the runtime's limit on GPUs and TPUs (the table's for
-  compile-only TPUs); on a CPU the machine's available memory shared by its local devices."""
-  if device.platform == "cpu":
-    try:
-      with open("/proc/meminfo") as f:
-        fields = dict(line.split(":", 1) for line in f)
-      available = int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-      return None
-    return available // max(1, len(device.client.local_devices()))
-  return hbm_capacity(device)
-
-
 def state_bytes_per_device(abstract_state) -> int:
   """Bytes of a train state (ShapeDtypeStructs with shardings) on its busiest device."""
   return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
              for x in jax.tree.leaves(abstract_state))
 
 
-def fit_check(config: ml_collections.ConfigDict, plan, devices, *, limit: int | None,
-              log=lambda _: None) -> StepReport:
-  """Compiles ``train.run``'s training and evaluation steps for ``plan`` (nothing allocated)
-  and returns the report, whose compiled programs the run then uses. Raises ConfigError, one
-  line, when they need more than ``limit`` bytes per device (None: no limit), naming what would
-  fit as flags, found by compiling alternatives (``search``: remat and micro-batch; ZeRO 3 over
-  the data axis); when the parameters and optimizer state alone exceed the limit, says so
+def fit_check(config: ml_collections.ConfigDict, plan, *, log=lambda _: None) -> StepReport:
+  """Compiles ``train.run``'s training and evaluation steps for ``plan`` (``train.setup``'s;
+  nothing allocated) and returns the report, whose compiled programs the run then uses. The
+  limit per device (the report's ``hbm_per_chip_bytes``) is ``config.memory_limit_gib``, or
+  :func:`device_memory`. Raises ConfigError, one line, when the steps need more, naming what
+  would fit as flags, found by compiling alternatives (``search``: remat and micro-batch; ZeRO 3
+  over the data axis); when the parameters and optimizer state alone exceed the limit, says so
   without compiling."""
-  devices = list(devices)
+  devices = list(plan.mesh.devices.flat)
+  limit = int(config.memory_limit_gib * GIB) or device_memory(plan.mesh.local_devices[0])
   state = state_bytes_per_device(plan.abstract_state)
   if limit is not None and state > limit:
     total = sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(plan.abstract_state))

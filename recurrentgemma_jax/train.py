@@ -197,20 +197,17 @@ class Checkpoints:
         data=ocp.args.JsonSave(data_state),
         meta=ocp.args.JsonSave(meta | {"step": step})))
 
-  def restore_latest(self, abstract_state, log, model_cfg=None) -> tuple[Any, Any] | None:
+  def restore_latest(self, abstract_state, log, model_cfg) -> tuple[Any, Any] | None:
     """The newest readable ``(state, data_state)``; unreadable ones are moved aside. A
-    checkpoint whose layer layout (``model.scan_layers``) is not ``model_cfg``'s is converted
-    (None: the layouts are taken to agree)."""
+    checkpoint whose layer layout (``model.scan_layers``) is not ``model_cfg``'s is converted."""
     ocp = self.ocp
     for step in sorted(self.manager.all_steps(), reverse=True):
       target = {"params": nnx.to_pure_dict(abstract_state["params"]),
                 "opt_state": abstract_state["opt_state"]}
-      saved_cfg = None
       try:
-        if model_cfg is not None:
-          saved_cfg, _ = ckpt_lib.read_model_config(os.path.join(self.directory, str(step)))
+        saved_cfg, _ = ckpt_lib.read_model_config(os.path.join(self.directory, str(step)))
         on_disk = {name: ckpt_lib.relayout(tree, model_cfg, saved_cfg)
-                   for name, tree in target.items()} if saved_cfg else target
+                   for name, tree in target.items()}
         restored = self.manager.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(on_disk["params"]),
             opt_state=ocp.args.StandardRestore(on_disk["opt_state"]),
@@ -226,7 +223,7 @@ class Checkpoints:
         self.manager.reload()
         continue
       trees = {"params": restored["params"], "opt_state": restored["opt_state"]}
-      if saved_cfg is not None and saved_cfg.layers_scanned != model_cfg.layers_scanned:
+      if saved_cfg.layers_scanned != model_cfg.layers_scanned:
         log(f"converting checkpoint step {step} to model.scan_layers="
             f"{str(model_cfg.layers_scanned).lower()}")
         trees = jax.jit(
@@ -338,11 +335,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   log = print if jax.process_index() == 0 else (lambda *_: None)
   # The fit check, before anything is allocated or written: the steps are compiled here (and
   # then used), their memory compared with the devices'.
-  devices = list(mesh.devices.flat)
-  limit = int(config.memory_limit_gib * 2**30) or aot.device_memory(devices[0])
   started = time.perf_counter()
   log("compiling the training and evaluation steps")
-  compiled = aot.fit_check(config, plan, devices, limit=limit, log=log)
+  compiled = aot.fit_check(config, plan, log=log)
+  limit = compiled.hbm_per_chip_bytes
   log(f"compiled in {time.perf_counter() - started:.1f} s: "
       f"{aot.human_bytes(compiled.worst.memory.total)} per device of "
       f"{aot.human_bytes(limit) if limit else 'an unknown amount'}")

@@ -178,8 +178,8 @@ def test_checkpoint_from_one_mesh_restores_on_others(tmp_path):
   for mesh, devices in [((2, 4), jax.devices()), ((8, 1), jax.devices()), ((1, 1), jax.devices()[:1])]:
     config.mesh.data, config.mesh.model = mesh
     plan = train.setup(config, devices)
-    state, data_state = train.Checkpoints(str(tmp_path), 3).restore_latest(plan.abstract_state,
-                                                                           print)
+    state, data_state = train.Checkpoints(str(tmp_path), 3).restore_latest(
+        plan.abstract_state, print, plan.model_cfg)
     assert int(state["step"]) == 2
     batches = data.make_train_iterator(config)
     batches.set_state(data_state)

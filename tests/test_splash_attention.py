@@ -17,6 +17,7 @@ from pallas_kernels import dispatch
 from recurrentgemma_jax import attention
 from recurrentgemma_jax import model as model_lib
 from sharding import partitioning
+import test_model
 
 
 def packed_positions(t, starts, first=0):
@@ -84,11 +85,7 @@ def test_splash_blocks_and_limits():
 
 
 def tiny_config(**kw):
-  base = dict(family="griffin", vocab_size=53, width=24, num_layers=3, num_heads=2,
-              lru_width=32, mlp_expanded_width=40, attention_window_size=5, dtype="float32",
-              scan_impl="xla_linear")
-  base.update(kw)
-  return model_lib.ModelConfig(**base)
+  return test_model.tiny_config(**{"attention_window_size": 5, **kw})
 
 
 def attention_impls(model):
