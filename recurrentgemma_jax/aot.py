@@ -13,6 +13,11 @@ counted every iteration, ``hlo_cost``), the number of Mosaic kernels, and a roof
 
 Nothing is allocated and no data is read: the batch is abstract, shaped like
 ``data.pipeline``'s.
+
+The same compiled memory is the fit check of every entry point, before it allocates anything:
+:func:`fit_check` for ``train.run``; :func:`check_program` for the programs of
+``scripts/sample.py`` and ``scripts/evaluate.py``, compiled for the abstract model of a
+checkpoint (:func:`checkpoint_model`) before its parameters are read.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import math
 import os
 import re
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import ml_collections
@@ -207,7 +212,9 @@ def validate(config: ml_collections.ConfigDict, devices) -> None:
 def human_bytes(n: float | None) -> str:
   if n is None:
     return "?"
-  return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / 2**20:.1f} MiB"
+  if abs(n) >= GIB:
+    return f"{n / GIB:.2f} GiB"
+  return f"{n / 2**20:.1f} MiB" if abs(n) >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 # -- compiling ---------------------------------------------------------------------------------
@@ -246,6 +253,10 @@ class Program:
   error: str | None = None       # why it did not compile
   out_of_memory: bool = False    # the compiler ran out of HBM
 
+  def fits(self, limit: int | None) -> bool:
+    """Compiled, and within ``limit`` bytes per device (None: unknown, taken to fit)."""
+    return self.compiled is not None and (limit is None or self.memory.total <= limit)
+
 
 _OOM_PATTERNS = (  # the TPU compiler's words for "does not fit", sizes in G/M/K bytes
     r"required for [^(]*\(([\d.]+)([KMGT])\) exceeds available [^(]*\(([\d.]+)([KMGT])\)",
@@ -255,6 +266,12 @@ _OOM_PATTERNS = (  # the TPU compiler's words for "does not fit", sizes in G/M/K
 
 def _size(value: str, unit: str) -> int:
   return int(float(value) * 1024 ** " KMGT".index(unit))
+
+
+def compile_program(lowered) -> Program:
+  """Compiles a lowered program (``jax.jit(f).lower(...)``), keeping a refusal for its size
+  (out of memory while compiling) as a Program without ``compiled``."""
+  return _compile(lowered)
 
 
 def _compile(lowered) -> Program:
@@ -593,3 +610,87 @@ def fit_check(config: ml_collections.ConfigDict, plan, *, log=lambda _: None) ->
       f"does not fit: the training step {need}, and no remat policy or micro-batch (down to "
       f"one row per data shard) fits at batch_size={config.batch_size} on {len(devices)} "
       "devices: use more devices, a smaller model.seq_len or batch_size")
+
+
+# -- the fit check of the other scripts' programs ----------------------------------------------
+
+def memory_limit(limit_gib: float, device) -> int | None:
+  """Bytes a program may take per device: ``limit_gib`` GiB when positive (a smaller device,
+  simulated), otherwise :func:`device_memory` of ``device``."""
+  return int(limit_gib * GIB) if limit_gib else device_memory(device)
+
+
+def check_program(what: str, lower: Callable[[int], Any], value: int, *, flag: str,
+                  limit: int | None, hint: str, log=lambda _: None) -> Program:
+  """Compiles ``lower(value)`` and returns it, the program to run, when it fits in ``limit``
+  bytes per device. ``lower(v)`` lowers the program with ``flag`` set to ``v`` (a batch size, a
+  number of tokens) on abstract arguments: nothing is allocated. When it does not fit, raises
+  ConfigError, one line: both figures and the largest of ``value // 2, value // 4, ..., 1`` that
+  fits, found by compiling them (1 first; when even that does not fit, ``hint`` says what else
+  to change). Raises CompileError when a program fails to compile for another reason."""
+
+  def compile_at(v: int) -> Program:
+    program = _compile(lower(v))
+    if program.compiled is None and not program.out_of_memory:
+      raise CompileError(f"{what} did not compile ({flag}={v}): {program.error}")
+    return program
+
+  program = compile_at(value)
+  if program.fits(limit):
+    return program
+  need = (f"does not fit: {what} needs {human_bytes(program.memory.total)} per device, "
+          f"{human_bytes(limit)} available")
+  halvings = []
+  v = value // 2
+  while v >= 1:
+    halvings.append(v)
+    v //= 2
+  if not halvings:
+    raise ConfigError(f"{need}: {hint}")
+  log(f"{need}; compiling smaller {flag} to find one that fits")
+  smallest = compile_at(halvings[-1])
+  if not smallest.fits(limit):
+    raise ConfigError(f"{need}, and {flag}=1 needs {human_bytes(smallest.memory.total)}: {hint}")
+  for v in halvings[:-1]:
+    trial = compile_at(v)
+    if trial.fits(limit):
+      break
+  else:
+    v, trial = halvings[-1], smallest
+  raise ConfigError(f"{need}: use {flag}={v} (compiled: {human_bytes(trial.memory.total)} "
+                    "per device)")
+
+
+@dataclasses.dataclass
+class CheckpointModel:
+  """The model of a checkpoint, abstract (no parameter read yet): what its programs are
+  compiled for before the parameters are restored (:meth:`restore`) onto ``sharding``."""
+
+  path: str          # the model directory
+  cfg: Any           # model.ModelConfig
+  meta: dict         # the checkpoint's model config as saved (names the tokenizer)
+  graphdef: Any
+  state: Any         # nnx.State of ShapeDtypeStructs placed with ``sharding``
+  sharding: jax.sharding.Sharding
+
+  def restore(self):
+    """The parameters, read from the checkpoint and placed as ``state`` says."""
+    from recurrentgemma_jax import checkpoint  # pylint: disable=g-import-not-at-top
+    shardings = jax.tree.map(lambda _: self.sharding, self.state)
+    return checkpoint.restore_params(self.path, self.state, shardings, cfg=self.cfg)
+
+
+def checkpoint_model(path: str, device, **overrides) -> CheckpointModel:
+  """The model of the checkpoint (or workdir) at ``path`` built abstractly from its model
+  config, ``overrides`` replacing fields that keep the parameter shapes (``dtype``), its
+  parameters to be placed on ``device``. Reads the model config only."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from recurrentgemma_jax import checkpoint, model  # pylint: disable=g-import-not-at-top
+  path = checkpoint.resolve_model_dir(os.path.abspath(path))
+  cfg, meta = checkpoint.read_model_config(path)
+  cfg = dataclasses.replace(cfg, **overrides)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: model.init_model(cfg)))
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                       state)
+  return CheckpointModel(path, cfg, meta, graphdef, state, sharding)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -9,44 +10,63 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from recurrentgemma_jax import train
 from recurrentgemma_jax.errors import ConfigError
 
 
 def read_tokens(path: str) -> np.ndarray:
-  """An int ``[N, T]`` array with ``T >= 2`` from a ``.npy`` file, or a one-line error."""
+  """An int ``[N, T]`` array with ``N >= 1``, ``T >= 2`` from a ``.npy`` file, or a one-line
+  error."""
   if not os.path.isfile(path):
     raise ConfigError(f"--tokens {path!r} does not exist")
   try:
     tokens = np.load(path, allow_pickle=False)
   except (OSError, ValueError) as e:
     raise ConfigError(f"--tokens {path!r} is not a .npy array: {e}") from None
-  if tokens.ndim != 2 or tokens.shape[1] < 2 or not np.issubdtype(tokens.dtype, np.integer):
+  if (tokens.ndim != 2 or tokens.shape[0] < 1 or tokens.shape[1] < 2
+      or not np.issubdtype(tokens.dtype, np.integer)):
     raise ConfigError(f"--tokens {path!r} has shape {tokens.shape} and dtype {tokens.dtype}; "
-                      "expected integers of shape [N, T] with T >= 2")
+                      "expected integers of shape [N, T] with N >= 1 and T >= 2")
   if tokens.size and tokens.min() < 0:
     raise ConfigError(f"--tokens {path!r} has negative token ids")
   return tokens.astype(np.int32)
 
 
-@nnx.jit
-def _row_nll(model, tokens):
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _row_nll(graphdef, state, tokens):
+  model = nnx.merge(graphdef, state)
   segment_pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
   logits = model(tokens, segment_pos)[:, :-1]
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 
-def token_nll(model, tokens: np.ndarray, *, batch_size: int = 8) -> np.ndarray:
-  """``[N, T-1]`` float32: NLL of ``tokens[:, t+1]`` given ``tokens[:, :t+1]``."""
+def lower_nll(graphdef, state, rows: int, length: int, sharding=None):
+  """The per-token NLL of ``rows`` sequences of ``length`` tokens, lowered for the model
+  ``nnx.split`` into ``graphdef, state`` (``state`` may hold ShapeDtypeStructs: nothing is
+  allocated); its compiled form takes ``(state, tokens [rows, length])``."""
+  tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding)
+  return _row_nll.lower(graphdef, state, tokens)
+
+
+def nll_in_batches(step, tokens: np.ndarray, rows: int) -> np.ndarray:
+  """``[N, T-1]`` float32 from ``step(tokens [rows, T]) -> nll [rows, T-1]`` run over
+  ``tokens`` ``rows`` at a time (the last batch padded: one compiled shape for all)."""
   out = []
-  for start in range(0, len(tokens), batch_size):
-    batch = tokens[start:start + batch_size]
-    pad = batch_size - len(batch)
-    if pad:  # one compiled shape for every batch
+  for start in range(0, len(tokens), rows):
+    batch = tokens[start:start + rows]
+    pad = rows - len(batch)
+    if pad:
       batch = np.concatenate([batch, np.zeros((pad, batch.shape[1]), batch.dtype)])
-    out.append(np.asarray(_row_nll(model, jnp.asarray(batch)))[:batch_size - pad])
+    out.append(np.asarray(step(batch))[:rows - pad])
   return np.concatenate(out).astype(np.float32)
+
+
+def token_nll(model, tokens: np.ndarray, *, batch_size: int = 8) -> np.ndarray:
+  """``[N, T-1]`` float32: NLL of ``tokens[:, t+1]`` given ``tokens[:, :t+1]``, computed
+  ``batch_size`` rows (at most ``N``) at a time."""
+  graphdef, state = nnx.split(model)
+  return nll_in_batches(lambda batch: _row_nll(graphdef, state, jnp.asarray(batch)), tokens,
+                        min(batch_size, len(tokens)))
 
 
 def mean_so_far(nll: np.ndarray) -> np.ndarray:
@@ -84,6 +104,7 @@ def masked_accuracy(model, batches) -> float:
   """Fraction of the ``loss_mask`` tokens whose argmax prediction is the target, over model
   batches (``inputs``, ``targets``, ``segment_pos``, ``loss_mask``; e.g. a synthetic task's
   answers): the training job's evaluation step, on a model."""
+  from recurrentgemma_jax import train  # pylint: disable=g-import-not-at-top
   graphdef, params = nnx.split(model)
   eval_step = jax.jit(train.make_eval_step(graphdef))
   fields = ("inputs", "targets", "segment_pos", "loss_mask")

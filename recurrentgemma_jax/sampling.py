@@ -96,16 +96,36 @@ def _generate(graphdef, state, tokens, segment_pos, lengths, *, params: Sampling
   return new_tokens.T, done.T, None if step_logits is None else step_logits.swapaxes(0, 1)
 
 
+def lower_sample(graphdef, state, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams = SamplingParams(), *, pad_id: int = 0,
+                 return_logits: bool = False, stream: Callable | None = None):
+  """``(lowered, inputs)``: ``sample``'s prefill and decode loop for these prompts, lowered for
+  the model ``nnx.split`` into ``graphdef, state`` (``state`` may hold ShapeDtypeStructs:
+  nothing is allocated), and the token arrays its compiled form takes after the state:
+  ``compiled(state, *inputs)`` returns ``(new_tokens, done, logits)`` (see :func:`output`)."""
+  inputs = left_pad(prompts, pad_id)
+  lowered = _generate.lower(graphdef, state, *inputs, params=params, pad_id=pad_id,
+                            return_logits=return_logits, stream=stream)
+  return lowered, inputs
+
+
 def compiled_sampler(model, prompts: Sequence[Sequence[int]],
                      params: SamplingParams = SamplingParams(), *, pad_id: int = 0):
   """``(run, args)``: ``sample``'s prefill and decode loop for these prompts, compiled ahead of
   time; ``run(*args)`` returns ``(new_tokens, done, None)`` as device arrays. For timing decoding
   without compilation (``scripts/bench/bench_decode.py``)."""
-  tokens, segment_pos, lengths = left_pad(prompts, pad_id)
   graphdef, state = nnx.split(model)
-  compiled = _generate.lower(graphdef, state, tokens, segment_pos, lengths, params=params,
-                             pad_id=pad_id, return_logits=False, stream=None).compile()
-  return compiled, (state, tokens, segment_pos, lengths)
+  lowered, inputs = lower_sample(graphdef, state, prompts, params, pad_id=pad_id)
+  return lowered.compile(), (state, *inputs)
+
+
+def output(new_tokens, done, logits, params: SamplingParams) -> SampleOutput:
+  """The SampleOutput of ``_generate``'s results (device arrays)."""
+  done = np.asarray(done)
+  # a row's length: up to and including its first stop token
+  generated = np.where(done.any(axis=1), done.argmax(axis=1) + 1, params.max_new_tokens)
+  return SampleOutput(np.asarray(new_tokens), generated.astype(np.int32),
+                      None if logits is None else np.asarray(logits))
 
 
 def sample(model, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
@@ -117,11 +137,5 @@ def sample(model, prompts: Sequence[Sequence[int]], params: SamplingParams = Sam
   """
   tokens, segment_pos, lengths = left_pad(prompts, pad_id)
   graphdef, state = nnx.split(model)
-  new_tokens, done, logits = _generate(graphdef, state, tokens, segment_pos, lengths,
-                                       params=params, pad_id=pad_id,
-                                       return_logits=return_logits, stream=stream)
-  done = np.asarray(done)
-  # a row's length: up to and including its first stop token
-  generated = np.where(done.any(axis=1), done.argmax(axis=1) + 1, params.max_new_tokens)
-  return SampleOutput(np.asarray(new_tokens), generated.astype(np.int32),
-                      None if logits is None else np.asarray(logits))
+  return output(*_generate(graphdef, state, tokens, segment_pos, lengths, params=params,
+                           pad_id=pad_id, return_logits=return_logits, stream=stream), params)

@@ -2,11 +2,16 @@
 
   python scripts/sample.py --checkpoint DIR --prompt "def fibonacci(n):" \
       [--max_new_tokens=200] [--temperature=0.8] [--top_k=0] [--top_p=0.95] [--seed=0] \
-      [--tokenizer=PATH] [--dtype=float32]
+      [--tokenizer=PATH] [--dtype=float32] [--memory_limit_gib=0]
 
 The tokenizer is the one the checkpoint was trained with (byte-level, or the SentencePiece file
 recorded in it); ``--tokenizer`` overrides it (an imported official checkpoint needs
 RecurrentGemma's ``tokenizer.model``). Sampling stops at the end-of-sequence token.
+
+Before it reads a parameter, the prefill and decode loop is compiled and its memory compared
+with the device's (or ``--memory_limit_gib``); one that does not fit exits 2 with one line
+naming a ``--max_new_tokens`` that fits, found by compiling smaller ones. A line with the
+check's time and memory goes to stderr.
 """
 
 import argparse
@@ -29,19 +34,27 @@ def main(argv=None) -> None:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--tokenizer", default=None, help="'byte' or a SentencePiece .model")
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  parser.add_argument("--memory_limit_gib", type=float, default=0.0,
+                      help="memory per device to check the program against (0: the device's)")
   args = parser.parse_args(argv)
 
   with cli.user_errors():
+    import dataclasses  # pylint: disable=g-import-not-at-top
+    import time  # pylint: disable=g-import-not-at-top
+    import jax  # pylint: disable=g-import-not-at-top
     import ml_collections  # pylint: disable=g-import-not-at-top
-    from recurrentgemma_jax import checkpoint, data, sampling  # pylint: disable=g-import-not-at-top
+    from recurrentgemma_jax import aot, data, sampling  # pylint: disable=g-import-not-at-top
     from recurrentgemma_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
 
     if args.max_new_tokens <= 0 or args.temperature < 0 or args.top_k < 0 or not (
         0 < args.top_p <= 1):
       raise ConfigError("--max_new_tokens must be > 0, --temperature >= 0, --top_k >= 0 and "
                         "--top_p in (0, 1]")
-    model, meta = checkpoint.load_model(args.checkpoint, dtype=args.dtype)
-    name = args.tokenizer or meta.get("tokenizer")
+    if not args.memory_limit_gib >= 0:  # (NaN too)
+      raise ConfigError(f"--memory_limit_gib={args.memory_limit_gib} must be >= 0")
+    device = jax.local_devices()[0]
+    model = aot.checkpoint_model(args.checkpoint, device, dtype=args.dtype)
+    name = args.tokenizer or model.meta.get("tokenizer")
     if not name:
       raise ConfigError(f"checkpoint {args.checkpoint!r} records no tokenizer; pass --tokenizer")
     tokenizer_config = data.default_config()
@@ -63,12 +76,34 @@ def main(argv=None) -> None:
       sys.stdout.flush()
       printed[0] = len(text)
 
-    print(args.prompt, end="", flush=True)
     params = sampling.SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, stop_tokens=(tokenizer.eos_id,), seed=args.seed)
     prompt = [tokenizer.bos_id] + tokenizer.encode(args.prompt)
-    sampling.sample(model, [prompt], params, pad_id=tokenizer.pad_id, stream=stream)
+    # The fit check: the prefill and decode loop compiled for abstract parameters (nothing
+    # read or allocated yet), its memory against the device's; the compiled program then runs.
+    # Its line goes to stderr: stdout carries the text only.
+    inputs = {}
+
+    def lower(n: int):
+      lowered, inputs[n] = sampling.lower_sample(
+          model.graphdef, model.state, [prompt], dataclasses.replace(params, max_new_tokens=n),
+          pad_id=tokenizer.pad_id, stream=stream)
+      return lowered
+
+    limit = aot.memory_limit(args.memory_limit_gib, device)
+    started = time.perf_counter()
+    what = f"sampling {args.max_new_tokens} tokens after a {len(prompt)}-token prompt"
+    program = aot.check_program(what, lower, args.max_new_tokens, flag="--max_new_tokens",
+                                limit=limit, hint="use a shorter --prompt or a device with "
+                                "more memory")
+    print(f"compiled {what} in {time.perf_counter() - started:.1f} s: "
+          f"{aot.human_bytes(program.memory.total)} per device of "
+          f"{aot.human_bytes(limit) if limit else 'an unknown amount'}", file=sys.stderr)
+    state = model.restore()
+    print(args.prompt, end="", flush=True)
+    jax.block_until_ready(program.compiled(state, *inputs[args.max_new_tokens]))
+    jax.effects_barrier()  # every token streamed
     print()
 
 

@@ -1,11 +1,17 @@
-"""train.py's fit check: before anything is allocated or written, the compiled steps' memory
-against the devices' (here a simulated small limit, --config.memory_limit_gib); a run that does
-not fit exits 2 with one line naming a setting that fits, found by compiling it."""
+"""The fit check of train.py, sample.py and evaluate.py: before anything is allocated or
+written (or a parameter read), the compiled programs' memory against the devices' (here a
+simulated small limit, --config.memory_limit_gib or --memory_limit_gib); a run that does not fit
+exits 2 with one line naming a setting that fits, found by compiling it."""
 
 import re
+import shutil
+
+import numpy as np
+import pytest
 
 from helpers import run_script
 
+SIZE = r"[\d.]+ [KMG]iB"
 FEW_STEPS = ["--config.total_steps=2", "--config.eval_every=0"]
 
 
@@ -18,7 +24,7 @@ def test_a_run_that_does_not_fit_names_a_setting_that_does(tmp_path):
   assert len(lines) == 1 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr
   assert re.match(r"error: does not fit: the training step needs [\d.]+ MiB per device, "
                   r"102\.4 MiB available: use ", lines[0]), lines[0]
-  assert not workdir.exists()  # nothing written
+  assert list(workdir.iterdir()) == []  # nothing written (the run's lock, taken, released)
   flags = re.findall(r"--config\.[\w.]+=\w+", lines[0])
   assert any(f.startswith("--config.optimizer.grad_accum_steps=") for f in flags), flags
   # The suggestion, applied, passes the check and trains.
@@ -35,3 +41,86 @@ def test_parameters_and_optimizer_state_larger_than_the_limit_are_refused_at_onc
       if line.startswith("error: does not fit: the parameters and optimizer state alone need")]
   assert "--config.zero=3 over at least" in proc.stderr
   assert "compiling alternatives" not in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+  """A tiny MQA checkpoint (byte tokenizer; its decoding cache grows with the tokens), and a
+  copy whose parameters are junk: a script that reads none before its check refuses it alike."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from recurrentgemma_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  from recurrentgemma_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  from test_model import tiny_config  # pylint: disable=g-import-not-at-top
+  root = tmp_path_factory.mktemp("fit")
+  cfg = tiny_config(family="mqa", vocab_size=259, num_layers=2)
+  model = model_lib.init_model(cfg, seed=0)
+  checkpoint.save_model(str(root / "model"), nnx.to_pure_dict(nnx.state(model)), cfg,
+                        tokenizer="byte")
+  shutil.copytree(root / "model", root / "junk")
+  shutil.rmtree(root / "junk" / "params")
+  (root / "junk" / "params").mkdir()
+  (root / "junk" / "params" / "junk").write_bytes(b"junk")
+  return root
+
+
+def _refusal(proc, flag):
+  """The one error line of a refusal and the value it suggests for ``flag``."""
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+  m = re.fullmatch(rf"error: does not fit: .* needs {SIZE} per device, {SIZE} available: use "
+                   rf"{flag}=(\d+) \(compiled: {SIZE} per device\)", lines[0])
+  assert m, lines[0]
+  return lines[0], int(m.group(1))
+
+
+def test_sampling_that_does_not_fit_names_a_max_new_tokens_that_does(checkpoints):
+  # ~400 bytes of decoding cache and outputs per token: 512 tokens take ~290 KiB, 256 ~190
+  limit = "--memory_limit_gib=0.000225"
+  args = ["--prompt=def f(x):", limit]
+  proc = run_script("sample.py", f"--checkpoint={checkpoints / 'junk'}", "--max_new_tokens=512",
+                    *args, check=False)
+  line, suggested = _refusal(proc, "--max_new_tokens")
+  assert line.startswith("error: does not fit: sampling 512 tokens after a 10-token prompt "
+                         "needs "), line
+  assert 0 < suggested < 512 and proc.stdout == ""
+  # The suggestion, applied, passes the check and samples (the check's line on stderr).
+  proc = run_script("sample.py", f"--checkpoint={checkpoints / 'model'}",
+                    f"--max_new_tokens={suggested}", *args)
+  assert proc.stdout.startswith("def f(x):") and proc.stdout.endswith("\n")
+  assert re.search(rf"^compiled sampling {suggested} tokens after a 10-token prompt in "
+                   rf"[\d.]+ s: {SIZE} per device of 235\.9 KiB$", proc.stderr, re.M), proc.stderr
+
+
+def test_evaluation_that_does_not_fit_names_a_batch_size_that_does(checkpoints, tmp_path):
+  from recurrentgemma_jax import checkpoint, evaluation  # pylint: disable=g-import-not-at-top
+  tokens = np.random.default_rng(0).integers(0, 259, size=(5, 512)).astype(np.int32)
+  np.save(tmp_path / "tokens.npy", tokens)
+  # 5 rows of 512 tokens take ~30 MiB (attention scores and logits in float32), 2 rows ~8
+  args = [f"--tokens={tmp_path / 'tokens.npy'}", f"--nll_out={tmp_path / 'nll.npy'}",
+          "--memory_limit_gib=0.02"]
+  proc = run_script("evaluate.py", f"--checkpoint={checkpoints / 'junk'}", "--batch_size=8",
+                    *args, check=False)
+  line, suggested = _refusal(proc, "--batch_size")
+  # (5 rows: the batch is never larger than the rows)
+  assert line.startswith("error: does not fit: the forward pass over 5 rows of 512 tokens "
+                         "needs "), line
+  assert 0 < suggested < 5 and not (tmp_path / "nll.npy").exists()
+  proc = run_script("evaluate.py", f"--checkpoint={checkpoints / 'model'}",
+                    f"--batch_size={suggested}", *args)
+  assert re.match(rf"compiled the forward pass over {suggested} rows of 512 tokens in [\d.]+ s: "
+                  rf"{SIZE} per device of 20\.5 MiB\n", proc.stdout), proc.stdout
+  model, _ = checkpoint.load_model(str(checkpoints / "model"))
+  np.testing.assert_allclose(np.load(tmp_path / "nll.npy"),
+                             evaluation.token_nll(model, tokens, batch_size=5), rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_a_program_that_fits_is_checked_before_any_parameter_is_read(checkpoints, tmp_path):
+  np.save(tmp_path / "tokens.npy", np.zeros((2, 8), np.int32))
+  proc = run_script("evaluate.py", f"--checkpoint={checkpoints / 'junk'}",
+                    f"--tokens={tmp_path / 'tokens.npy'}", f"--nll_out={tmp_path / 'nll.npy'}",
+                    check=False)
+  assert proc.returncode == 2
+  assert proc.stdout.startswith("compiled the forward pass over 2 rows of 8 tokens in ")
+  assert proc.stderr.startswith("error: checkpoint ") and "cannot restore 'params'" in proc.stderr
