@@ -20,6 +20,7 @@ def get_config(arg=None):
   c.total_steps = 1000
   c.batch_size = 16
   c.seq_len = 2048
+  c.data.eval_tokens = 262_144  # 128 held-out rows of 2048 tokens
   c.log_every = 10
   c.eval_every = 200
   c.checkpoint_every = 200

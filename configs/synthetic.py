@@ -31,6 +31,7 @@ def get_config(arg=None):
   c.model.attention_window_size = 512 if task == "selective_copying" else 128
   c.model.dtype = "float32"
   c.seq_len = 1024 if task == "selective_copying" else 256
+  c.data.eval_tokens = 256 * c.seq_len  # 256 held-out rows at this seq_len
   c.batch_size = 32
   c.total_steps = 20_000 if task == "selective_copying" else 5_000
   c.log_every = 50

@@ -59,7 +59,7 @@ def train_overrides(task, model, args):
     over += [f"--config.seq_len={seq}", "--config.data.synthetic.num_tokens_to_copy=4",
              "--config.batch_size=8", "--config.eval_every=10", "--config.log_every=10",
              "--config.checkpoint_every=20", "--config.model.attention_window_size=16",
-             "--config.data.eval_batches=1"]
+             f"--config.data.eval_tokens={8 * seq}"]
     if task not in args.steps:
       over.append("--config.total_steps=20")
   return over
@@ -111,7 +111,7 @@ def accuracy_at_lengths(task, model, workdir, lengths, args):
     # of 32 rows at 4096 tokens took 16 GiB and ran out of memory on a shared GPU.
     batch_rows = max(1, min(args.eval_rows, 32, 32 * 1024 // length))
     config.batch_size = batch_rows
-    config.data.eval_batches = max(1, args.eval_rows // batch_rows)
+    config.data.eval_tokens = args.eval_rows * length
     config.data.synthetic.eval_seq_len = length
     out[length] = evaluation.masked_accuracy(net, data.make_eval_batches(config))
   return out

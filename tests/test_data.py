@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import ml_collections
 import numpy as np
@@ -10,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 import sentencepiece
 
-from recurrentgemma_jax import data
+from recurrentgemma_jax import configlib, data
 from recurrentgemma_jax.data import sources
-from helpers import build_tiny_tfds
+from helpers import build_tiny_tfds, run_script
 from recurrentgemma_jax.errors import ConfigError
 
 BYTE = data.ByteTokenizer()
@@ -124,7 +125,7 @@ def test_builtin_default_batches_and_held_out_split():
   assert 0.01 < len(held_out) / (len(train) + len(held_out)) < 0.15
   assert not {train[i] for i in range(len(train))} & {held_out[i] for i in range(len(held_out))}
   eval_batches = data.make_eval_batches(config)
-  assert len(eval_batches) == config.data.eval_batches
+  assert len(eval_batches) == 32768 // (16 * 256)  # the default budget: 128 rows
   for b in eval_batches:
     check_packing(b, BYTE, 256)
   for a, b in zip(eval_batches, data.make_eval_batches(config)):
@@ -132,12 +133,15 @@ def test_builtin_default_batches_and_held_out_split():
 
 
 def test_unigram_entropy_is_a_sane_baseline(corpus, tmp_path):
-  entropy = data.unigram_entropy(make_config(batch_size=8, seq_len=128), train_batches=32)
+  entropy = data.unigram_entropy(make_config(batch_size=8, seq_len=128), train_tokens=32768)
   assert 1.5 < entropy < math.log(256)
+  # The same held-out tokens and the same training rows whatever the batch size.
+  other = data.unigram_entropy(make_config(batch_size=4, seq_len=128), train_tokens=32768)
+  assert other == entropy
   (tmp_path / "same.txt").write_text("a" * 5000)
   same = str(tmp_path / "same.txt")
   config = make_config(source="text", paths=same, eval_paths=same)
-  assert data.unigram_entropy(config, train_batches=64) < 0.1
+  assert data.unigram_entropy(config, train_tokens=16384) < 0.1
 
 
 # --- determinism, resumption, sharding ----------------------------------------------------------
@@ -191,6 +195,52 @@ def test_synthetic_processes_get_different_rows():
     batches = take(data.make_train_iterator(config, process_index=index, process_count=2), 4)
     rows.append({row.tobytes() for b in batches for row in b["inputs"]})
   assert len(rows[0]) == len(rows[1]) == 16 and not rows[0] & rows[1]
+
+
+# --- the held-out rows ---------------------------------------------------------------------------
+
+
+def global_eval_rows(config, process_count):
+  """The processes' eval batches joined as train.py places them: global batch k is process 0's
+  k-th batch, then process 1's, ...; returns {field: [rows, T]}."""
+  shares = [data.make_eval_batches(config, process_index=p, process_count=process_count)
+            for p in range(process_count)]
+  assert len({len(share) for share in shares}) == 1
+  for share in shares:
+    for batch in share:
+      assert batch["inputs"].shape[0] == config.batch_size // process_count
+  return {name: np.concatenate([share[k][name] for k in range(len(shares[0])) for share in shares])
+          for name in shares[0][0]}
+
+
+@pytest.mark.parametrize("source", ["jsonl", "builtin", "synthetic"])
+def test_held_out_rows_are_the_same_for_every_batch_size_and_process_count(corpus, source):
+  budget = 20 * 32 + 5  # not a whole number of rows: the 21st row is scored in part
+  fields = dict(seq_len=32, eval_tokens=budget)
+  if source == "jsonl":
+    make = lambda batch_size: local_config(corpus, "jsonl", batch_size=batch_size, **fields)
+  else:
+    make = lambda batch_size: make_config(source=source, batch_size=batch_size,
+                                          synthetic={"num_tokens_to_copy": 4}, **fields)
+  reference = data.held_out_rows(make(16))
+  assert reference["inputs"].shape == (21, 32)
+  for batch_size, process_count in [(16, 1), (8, 1), (6, 1), (8, 2), (4, 4)]:
+    rows = global_eval_rows(make(batch_size), process_count)
+    assert len(rows["inputs"]) == -(-21 // batch_size) * batch_size, (batch_size, process_count)
+    for name, value in reference.items():
+      np.testing.assert_array_equal(rows[name][:21], value, err_msg=name)
+      assert not rows[name][21:].any(), "padding rows must be zeros, loss_mask 0"
+  mask = reference["loss_mask"].ravel()
+  assert not mask[budget:].any()
+  if source != "synthetic":
+    # Of the budget's target positions, all are scored except those that start a document.
+    targets = reference["targets"].ravel()[:budget]
+    np.testing.assert_array_equal(mask[:budget], targets != BYTE.bos_id)
+    assert budget - 20 < mask.sum() <= budget
+  # config.seed picks the training order, not the held-out rows.
+  seeded = make(8)
+  seeded.seed = 7
+  np.testing.assert_array_equal(data.held_out_rows(seeded)["targets"], reference["targets"])
 
 
 # --- tokenizers ---------------------------------------------------------------------------------
@@ -289,6 +339,7 @@ def test_induction_heads_answer_follows_the_first_marker():
       source="synthetic", batch_size=8, seq_len=50, synthetic={"task": "induction_heads"}
   )
   config.data.synthetic.eval_seq_len = 200
+  config.data.eval_tokens = 16 * 200  # two batches of 8 rows
   train, held_out = take(data.make_train_iterator(config), 3), data.make_eval_batches(config)
   for seq_len, batches in [(50, train), (200, held_out)]:
     for b in batches:
@@ -327,6 +378,7 @@ def bad_configs(corpus, tmp_path):
   yield make_config(batch_size=6), "batch_size=6 is not divisible by the 4 processes"
   yield make_config(source="synthetic", synthetic={"task": "copy"}), "task='copy' is not one of"
   yield make_config(source="synthetic", seq_len=10), "seq_len=10 is too short"
+  yield make_config(eval_tokens=0), "data.eval_tokens=0 must be a positive number of tokens"
 
 
 def test_validate_reports_one_clear_line_per_bad_field(corpus, tmp_path):
@@ -341,6 +393,194 @@ def test_iterators_refuse_bad_configs(tmp_path):
     data.make_train_iterator(make_config(source="jsonl", paths=str(tmp_path / "*.jsonl")))
   with pytest.raises(ConfigError, match="no eval documents"):
     data.make_eval_batches(make_config(eval_fraction=1e-9))
+
+
+# --- bad data -----------------------------------------------------------------------------------
+
+
+def write_jsonl(path, lines):
+  path.write_bytes(b"".join(line + b"\n" for line in lines))
+  return str(path)
+
+
+def good_lines(n):
+  return [json.dumps({"text": f"record {i}"}).encode() for i in range(n)]
+
+
+def only_error(config):
+  [error] = data.validate(config, process_count=1)
+  assert "\n" not in error
+  return error
+
+
+def test_jsonl_broken_line_in_the_middle_names_the_file_and_line(tmp_path):
+  good = write_jsonl(tmp_path / "good.jsonl", good_lines(5))
+  cases = [(b'{"text": "cut off',
+            "line 4 is not JSON: Unterminated string starting at (column 10)"),
+           (b'{"id": 3}', "line 4 is not a record with a string 'text': its keys are ['id']"),
+           (b'{"text": null}', "line 4 is not a record with a string 'text': 'text' is null"),
+           (b'["text"]', "line 4 is not a record with a string 'text': it is a JSON list")]
+  for i, (line, message) in enumerate(cases):
+    lines = good_lines(5)
+    lines[3] = line
+    bad = write_jsonl(tmp_path / f"bad{i}.jsonl", [b""] + lines[:3] + lines[3:])  # a blank line 1
+    lines_message = message.replace("line 4", "line 5")
+    config = make_config(source="jsonl", paths=f"{good},{bad}")
+    assert only_error(config).startswith(f"data.paths: {bad!r} {lines_message}"), only_error(config)
+    with pytest.raises(ConfigError, match="line 5"):
+      data.make_train_iterator(config)
+  # A bad held-out file is reported under data.eval_paths.
+  config = make_config(source="jsonl", paths=good, eval_paths=str(tmp_path / "bad0.jsonl"))
+  assert only_error(config).startswith("data.eval_paths: ")
+  # Several bad files: the first, and how many more.
+  config = make_config(source="jsonl", paths=str(tmp_path / "*.jsonl"))
+  assert "bad0.jsonl' line 5 is not JSON" in only_error(config)
+  assert only_error(config).endswith("; 3 more of its files have problems")
+
+
+def test_train_script_exits_2_with_one_line_for_a_broken_jsonl_line(tmp_path):
+  lines = good_lines(9)
+  lines[6] = b'{"text": "no end"'
+  bad = write_jsonl(tmp_path / "bad.jsonl", lines)
+  proc = run_script("train.py", f"--workdir={tmp_path / 'run'}", "--config.data.source=jsonl",
+                    f"--config.data.paths={bad}", check=False, timeout=300)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines() == [
+      f"error: data.paths: {bad!r} line 7 is not JSON: Expecting ',' delimiter (column 18)"]
+  assert not (tmp_path / "run").exists()  # rejected before compiling or writing anything
+
+
+def test_invalid_utf8_is_read_as_replacement_characters_with_a_counted_warning(tmp_path, caplog):
+  (tmp_path / "latin1.txt").write_bytes("café, crème brûlée".encode("latin-1"))
+  (tmp_path / "ok.txt").write_text("plain")
+  config = make_config(source="text", paths=str(tmp_path / "*.txt"),
+                       eval_paths=str(tmp_path / "ok.txt"), batch_size=2, seq_len=16)
+  assert data.validate(config, process_count=1) == []
+  stream = token_stream(take(data.make_train_iterator(config), 6))
+  assert "caf\ufffd, cr\ufffdme br\ufffdl\ufffde" in stream_documents(stream, BYTE)
+  [warning] = [r.getMessage() for r in caplog.records if "latin1.txt" in r.getMessage()]
+  assert warning == (f"data file {str(tmp_path / 'latin1.txt')!r} has 4 invalid UTF-8 sequences;"
+                     " they are read as U+FFFD")
+
+  caplog.clear()
+  lines = good_lines(4) + [b'{"text": "caf\xe9"}', b'{"text": "lone \\ud800 surrogate"}']
+  path = write_jsonl(tmp_path / "bytes.jsonl", lines)
+  config = make_config(source="jsonl", paths=path, eval_paths=path, batch_size=2, seq_len=16)
+  assert data.validate(config, process_count=1) == []
+  [warning] = [r.getMessage() for r in caplog.records]
+  assert warning == (f"data file {path!r} has invalid UTF-8 on 1 of its 6 records (first: line 5);"
+                     " it is read as U+FFFD")
+  documents = stream_documents(token_stream(take(data.make_train_iterator(config), 8)), BYTE)
+  assert {"caf\ufffd", "lone \ufffd surrogate"} <= set(documents)
+  assert caplog.records[-1].getMessage() == (
+      f"data file {path!r} line 6 has a lone surrogate escape; such escapes are read as U+FFFD")
+
+
+def test_empty_files_are_errors(tmp_path):
+  (tmp_path / "a.txt").write_text("some text")
+  (tmp_path / "empty.txt").write_text("")
+  error = only_error(make_config(source="text", paths=str(tmp_path / "*.txt")))
+  assert error == f"data.paths: {str(tmp_path / 'empty.txt')!r} is empty"
+  write_jsonl(tmp_path / "a.jsonl", good_lines(3))
+  (tmp_path / "blank.jsonl").write_text("\n  \n\n")
+  error = only_error(make_config(source="jsonl", paths=str(tmp_path / "*.jsonl")))
+  assert error == f"data.paths: {str(tmp_path / 'blank.jsonl')!r} has no JSON line"
+  pq.write_table(pa.table({"text": ["a document"]}), tmp_path / "a.parquet")
+  pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "none.parquet")
+  error = only_error(make_config(source="parquet", paths=str(tmp_path / "*.parquet")))
+  assert error == f"data.paths: {str(tmp_path / 'none.parquet')!r} has no rows"
+
+
+def test_every_parquet_file_needs_the_text_column(tmp_path):
+  pq.write_table(pa.table({"text": ["one", "two"]}), tmp_path / "a.parquet")
+  pq.write_table(pa.table({"body": ["three"]}), tmp_path / "b.parquet")
+  (tmp_path / "c.parquet").write_bytes(b"not parquet at all")
+  error = only_error(make_config(source="parquet", paths=str(tmp_path / "[ab].parquet")))
+  assert error == (f"data.paths: data.text_field='text' is not a string column of"
+                   f" {str(tmp_path / 'b.parquet')!r}; they are ['body']")
+  error = only_error(make_config(source="parquet", paths=str(tmp_path / "[ac].parquet")))
+  assert error.startswith(f"data.paths: {str(tmp_path / 'c.parquet')!r} cannot be read as Parquet")
+
+
+def test_parquet_with_invalid_utf8_is_read_with_replacement_characters(tmp_path, caplog):
+  offsets = pa.py_buffer(np.array([0, 2, 7], np.int32).tobytes())
+  column = pa.Array.from_buffers(pa.string(), 2, [None, offsets, pa.py_buffer(b"ok\xff\xfebad")])
+  path = str(tmp_path / "bad.parquet")
+  pq.write_table(pa.table({"text": column}), path)
+  config = make_config(source="parquet", paths=path, eval_paths=path, batch_size=2, seq_len=8)
+  assert data.validate(config, process_count=1) == []
+  documents = stream_documents(token_stream(take(data.make_train_iterator(config), 4)), BYTE)
+  assert {"ok", "\ufffd\ufffdbad"} <= set(documents)
+  assert any("bad.parquet" in r.getMessage() and "U+FFFD" in r.getMessage() for r in caplog.records)
+
+
+def read_until_error(iterator, batches=500):
+  with pytest.raises(ConfigError) as error:
+    take(iterator, batches)
+  assert "\n" not in str(error.value)
+  return str(error.value)
+
+
+def test_a_file_removed_or_truncated_during_the_run_stops_it_with_one_line(tmp_path):
+  for i in range(6):
+    (tmp_path / f"{i}.txt").write_text(f"document {i} " * 20)
+  config = make_config(source="text", paths=str(tmp_path / "*.txt"),
+                       eval_paths=str(tmp_path / "0.txt"), batch_size=2, seq_len=16)
+  assert config.data.read_threads > 1  # grain's reader threads raise it, the message intact
+  iterator = data.make_train_iterator(config)
+  take(iterator, 2)
+  (tmp_path / "3.txt").unlink()
+  assert read_until_error(iterator) == (f"data file {str(tmp_path / '3.txt')!r} cannot be read"
+                                        " while the run uses it: No such file or directory")
+  iterator = data.make_train_iterator(make_config(
+      source="text", paths=str(tmp_path / "[0-2].txt"), eval_paths=str(tmp_path / "0.txt")))
+  take(iterator, 1)
+  (tmp_path / "2.txt").write_text("cut")
+  assert read_until_error(iterator) == (
+      f"data file {str(tmp_path / '2.txt')!r} changed while the run reads it: 220 bytes when the"
+      " run started, 3 now; restore it, or rerun to go on with the files as they are")
+
+  path = write_jsonl(tmp_path / "docs.jsonl", good_lines(30))
+  iterator = data.make_train_iterator(make_config(source="jsonl", paths=path, eval_paths=path))
+  take(iterator, 1)
+  write_jsonl(tmp_path / "docs.jsonl", good_lines(10))  # truncated
+  assert "docs.jsonl' changed while the run reads it" in read_until_error(iterator)
+
+  # Parquet columns are in memory once the pipeline has started.
+  path = str(tmp_path / "docs.parquet")
+  pq.write_table(pa.table({"text": DOCS}), path)
+  iterator = data.make_train_iterator(make_config(source="parquet", paths=path, eval_paths=path))
+  os.remove(path)
+  assert len(take(iterator, 50)) == 50
+
+
+def test_no_token_id_reaches_past_the_vocabulary(corpus, sentencepiece_model, tmp_path,
+                                                  monkeypatch):
+  # Every byte value, every UTF-8 length and a lone surrogate, through the JSONL reader.
+  every_byte = bytes(range(256)).decode("latin-1") + "\U0001f985 \u20ac \ud800"
+  text = json.dumps({"text": every_byte})
+  lines = [text.encode()] + open(corpus["jsonl"].split(",")[0], "rb").read().splitlines()
+  doc = write_jsonl(tmp_path / "every_byte.jsonl", lines)
+  for tokenizer in ("byte", sentencepiece_model):
+    config = make_config(source="jsonl", paths=doc, eval_paths=doc, tokenizer=tokenizer)
+    vocab = data.make_tokenizer(config).vocab_size
+    batches = take(data.make_train_iterator(config), 30) + data.make_eval_batches(config)
+    ids = np.concatenate([np.concatenate([b["inputs"], b["targets"]]) for b in batches])
+    assert ids.min() >= 0 and ids.max() < vocab
+    # UTF-8 never holds bytes 0xf5 to 0xff: 0xf0 (a 4-byte character) is the largest there is.
+    assert ids.max() == 0xF0 + 3 or tokenizer != "byte"
+  # The model's vocabulary is checked against the tokenizer's before anything compiles.
+  config = configlib.base_config()
+  config.model.vocab_size = 200
+  with pytest.raises(ConfigError, match="model.vocab_size=200 .*259"):
+    configlib.validate(config)
+  # A tokenizer that did give such an id would stop the run with one line.
+  class Faulty(data.ByteTokenizer):
+    def encode_array(self, text):
+      return np.append(super().encode_array(text), self.vocab_size)
+  monkeypatch.setattr(data.tokenizers, "make_tokenizer", lambda config: Faulty())
+  with pytest.raises(ConfigError, match="gave token id 259, outside its 259 ids"):
+    take(data.make_train_iterator(make_config()), 1)
 
 
 def test_masked_accuracy_counts_argmax_hits_on_answer_tokens_only():

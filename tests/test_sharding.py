@@ -201,7 +201,7 @@ TWO_PROCESS_ARGS = [
     "--config.model.num_heads=2", "--config.model.num_gate_blocks=2",
     "--config.model.mlp_expanded_width=64", "--config.batch_size=4", "--config.seq_len=32",
     "--config.checkpoint_every=2", "--config.log_every=1", "--config.eval_every=0",
-    "--config.data.eval_batches=1"]
+    "--config.data.eval_tokens=128"]
 
 
 def _two_processes(workdir, total_steps, *extra):

@@ -2,12 +2,13 @@
 JSONL or Parquet files, TFDS, or the synthetic tasks), tokenized, packed into rows and batched per
 process.
 
-``config.data`` fields and defaults: ``default_config()`` (config.py). Batch layout, packing and
-iterator state: pipeline.py.
+``config.data`` fields and defaults: ``default_config()`` (config.py). Batch layout, packing,
+iterator state and the held-out rows: pipeline.py. What bad files do: sources.py.
 """
 
 from recurrentgemma_jax.data.config import default_config, validate
 from recurrentgemma_jax.data.pipeline import (
+    held_out_rows,
     make_eval_batches,
     make_train_iterator,
     unigram_entropy,
@@ -24,6 +25,7 @@ __all__ = [
     "SentencePieceTokenizer",
     "Tokenizer",
     "default_config",
+    "held_out_rows",
     "make_eval_batches",
     "make_tokenizer",
     "make_train_iterator",

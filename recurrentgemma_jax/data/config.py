@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import ml_collections
@@ -26,8 +25,12 @@ def default_config() -> ml_collections.ConfigDict:
   c.tfds_eval_split = "validation"  # tfds: held-out split.
   # "byte" (ids: 0 pad, 1 bos, 2 eos, byte b is b + 3; vocab 259) or a SentencePiece .model path.
   c.tokenizer = "byte"
-  c.shuffle = True  # Shuffle documents (a new order each epoch, seeded by config.seed).
-  c.eval_batches = 8  # Batches that make_eval_batches returns.
+  # Shuffle documents: training, a new order each epoch seeded by config.seed; held out, one
+  # fixed order (the same for every seed).
+  c.shuffle = True
+  # Held-out target positions scored at each evaluation: the first ceil(eval_tokens / seq_len)
+  # rows of the held-out split, the same rows for every batch size and number of processes.
+  c.eval_tokens = 32768
   c.read_threads = 4  # Threads reading and tokenizing documents ahead of the training step.
   c.synthetic = ml_collections.ConfigDict()
   c.synthetic.task = "selective_copying"  # selective_copying | induction_heads (paper 6.2).
@@ -38,7 +41,7 @@ def default_config() -> ml_collections.ConfigDict:
 
 
 def _check_local_files(data) -> list[str]:
-  errors = []
+  errors, files = [], {}
   for name in ("paths", "eval_paths"):
     patterns = sources.split_patterns(data[name])
     if name == "paths" and not patterns:
@@ -46,49 +49,57 @@ def _check_local_files(data) -> list[str]:
           f"data.paths is empty; data.source={data.source!r} needs files or glob patterns"
       )
     errors += [f"data.{name}={p!r} matches no file" for p in patterns if not sources.expand([p])]
-  if errors or data.source == "text":
+    files[name] = sources.expand(patterns)
+  if errors:
     return errors
-  first = sources.expand(sources.split_patterns(data.paths))[0]
-  if data.source == "jsonl":
-    errors += _check_jsonl_field(first, data.text_field)
-  else:
-    errors += _check_parquet_field(first, data.text_field)
+  checked = set()
+  for name, paths in files.items():
+    problems = [p for p in (_file_problem(data, f) for f in paths if f not in checked) if p]
+    checked.update(paths)
+    if problems:
+      more = f"; {len(problems) - 1} more of its files have problems" if problems[1:] else ""
+      errors.append(f"data.{name}: {problems[0]}{more}")
   return errors
 
 
-def _check_jsonl_field(path: str, field: str) -> list[str]:
-  with open(path, "rb") as f:
-    line = next((line for line in f if line.strip()), None)
-  if line is None:
-    return [f"data.paths: {path!r} has no JSON line"]
+def _file_problem(data, path: str) -> str | None:
+  """Why ``path`` cannot be a file of ``data.source`` (one line naming it), or None."""
   try:
-    record = json.loads(line)
-  except json.JSONDecodeError as e:
-    return [f"data.paths: the first line of {path!r} is not JSON: {e}"]
-  if not isinstance(record, dict) or not isinstance(record.get(field), str):
-    keys = sorted(record) if isinstance(record, dict) else []
-    return [
-        f"data.text_field={field!r} is not a text key of {path!r}; its first record has {keys}"
-    ]
-  return []
+    with open(path, "rb") as f:
+      empty = not f.read(1)
+  except OSError as e:
+    return f"{path!r} cannot be read: {e.strerror or first_line(e)}"
+  if empty:
+    return f"{path!r} is empty"
+  if data.source == "jsonl":
+    try:
+      sources.jsonl_index(path, data.text_field)
+    except ConfigError as e:
+      return str(e)
+    except OSError as e:
+      return f"{path!r} cannot be read: {e.strerror or first_line(e)}"
+  elif data.source == "parquet":
+    return _parquet_problem(path, data.text_field)
+  return None
 
 
-def _check_parquet_field(path: str, field: str) -> list[str]:
+def _parquet_problem(path: str, field: str) -> str | None:
   import pyarrow as pa  # pylint: disable=g-import-not-at-top
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
 
   try:
-    schema = pq.read_schema(path)
+    metadata = pq.read_metadata(path)  # the footer only
+    schema = metadata.schema.to_arrow_schema()
   except (OSError, pa.ArrowException) as e:
-    return [f"data.paths: {path!r} cannot be read as Parquet: {e}"]
+    return f"{path!r} cannot be read as Parquet: {first_line(e)}"
   text_columns = [
       f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)
   ]
   if field not in text_columns:
-    return [
-        f"data.text_field={field!r} is not a string column of {path!r}; they are {text_columns}"
-    ]
-  return []
+    return f"data.text_field={field!r} is not a string column of {path!r}; they are {text_columns}"
+  if metadata.num_rows == 0:
+    return f"{path!r} has no rows"
+  return None
 
 
 def _check_tfds(data) -> list[str]:
@@ -145,8 +156,9 @@ def _check_synthetic(config) -> list[str]:
 def validate(config, *, process_count: int | None = None) -> list[str]:
   """One-line messages for the bad data fields of the run ``config`` (empty when all are usable).
 
-  Reads at most one record and the tokenizer file. ``process_count`` defaults to
-  ``jax.process_count()``.
+  Reads every local file: a JSONL file whole (each line is parsed once; the pipeline reuses the
+  index), a Parquet file's footer, a text file's first byte; and the tokenizer file.
+  ``process_count`` defaults to ``jax.process_count()``.
   """
   if process_count is None:
     import jax  # pylint: disable=g-import-not-at-top  (only to count processes)
@@ -161,8 +173,8 @@ def validate(config, *, process_count: int | None = None) -> list[str]:
     errors.append(
         f"batch_size={config.batch_size} is not divisible by the {process_count} processes"
     )
-  if data.eval_batches < 0:
-    errors.append(f"data.eval_batches={data.eval_batches} must be 0 or more")
+  if not isinstance(data.eval_tokens, int) or data.eval_tokens < 1:
+    errors.append(f"data.eval_tokens={data.eval_tokens!r} must be a positive number of tokens")
   if data.read_threads < 1:
     errors.append(f"data.read_threads={data.read_threads} must be positive")
   if data.source not in sources.SOURCES:

@@ -11,22 +11,41 @@ documents for the train or the eval split. Tokenizing, packing, batching and sha
 Local sources hold out the files of ``data.eval_paths``, or, when it is empty, the documents whose
 key (path relative to the files' common folder, plus the line or row) hashes below
 ``data.eval_fraction``: a split that does not depend on listing order or on where the files are.
+
+Bad local files (``config.py`` checks every file before anything compiles): an empty file, a JSONL
+line that is not a JSON object with a string ``data.text_field`` (each line is parsed once, when
+its file is indexed) and a Parquet file without that string column are ``ConfigError``s naming the
+file and line. Invalid UTF-8 (and JSON's lone surrogate escapes) is read as U+FFFD, with one logged
+warning per file (``logging``, this module's logger): the count of bad sequences of a text file, of
+bad JSONL lines (found when indexing), the first escape's line. A text or JSONL file removed or
+resized while the run reads it raises ``ConfigError`` naming it, through grain's reader threads;
+Parquet columns are read whole when the pipeline starts.
 """
 
 from __future__ import annotations
 
+import array
+import dataclasses
 import glob
 import hashlib
 import json
+import logging
 import os
+import re
 import sysconfig
 from typing import Callable
 
 import grain
 import numpy as np
 
+from recurrentgemma_jax.errors import ConfigError, first_line
+
 SOURCES = ("builtin", "text", "jsonl", "parquet", "tfds", "synthetic")
 LOCAL_SOURCES = ("text", "jsonl", "parquet")
+
+_log = logging.getLogger(__name__)
+_warned: set[str] = set()  # files (and problems) already reported
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 # Folders some Python distributions ship as separate packages (Debian's python3-tk, idle, lib2to3,
 # distutils, venv) or that are not the standard library: leaving them out keeps the builtin corpus
@@ -48,9 +67,60 @@ def expand(patterns: list[str]) -> list[str]:
   return sorted({f for p in patterns for f in glob.glob(p, recursive=True) if os.path.isfile(f)})
 
 
-def _read_text(path: str) -> str:
-  with open(path, "rb") as f:
-    return f.read().decode("utf-8", errors="replace")
+# --- reading -------------------------------------------------------------------------------------
+
+
+def _warn_once(key: str, message: str) -> None:
+  if key not in _warned:
+    _warned.add(key)
+    _log.warning(message)
+
+
+def _read_bytes(path: str, size: int | None, start: int | None = None) -> bytes:
+  """The file, or its line at byte ``start``; ``ConfigError`` naming it when it is gone or its size
+  is no longer ``size`` (its size when the pipeline listed it; None: not checked)."""
+  try:
+    with open(path, "rb") as f:
+      now = os.fstat(f.fileno()).st_size
+      if size is not None and now != size:
+        raise ConfigError(f"data file {path!r} changed while the run reads it: {size} bytes when"
+                          f" the run started, {now} now; restore it, or rerun to go on with the"
+                          " files as they are")
+      if start is None:
+        return f.read()
+      f.seek(start)
+      return f.readline()
+  except OSError as e:
+    raise ConfigError(f"data file {path!r} cannot be read while the run uses it:"
+                      f" {e.strerror or first_line(e)}") from None
+
+
+def _decode(raw: bytes, path: str) -> str:
+  """UTF-8, invalid sequences read as U+FFFD and counted in a warning (once per file)."""
+  try:
+    return raw.decode("utf-8")
+  except UnicodeDecodeError:
+    text = raw.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - raw.count("\ufffd".encode("utf-8"))
+    _warn_once(path, f"data file {path!r} has {bad} invalid UTF-8 sequences; they are read as"
+                     " U+FFFD")
+    return text
+
+
+def _without_surrogates(text: str) -> str:
+  """``text``, or a copy with its lone surrogates (JSON can escape them; UTF-8 cannot hold them)
+  as U+FFFD."""
+  if text.isascii():
+    return text
+  try:
+    text.encode("utf-8")
+    return text
+  except UnicodeEncodeError:
+    return _SURROGATE.sub("\ufffd", text)
+
+
+def _read_text(path: str, size: int | None = None) -> str:
+  return _decode(_read_bytes(path, size), path)
 
 
 def _builtin_files() -> tuple[str, list[str]]:
@@ -70,24 +140,123 @@ def _relative(files: list[str]) -> list[str]:
   return [os.path.relpath(os.path.abspath(f), root).replace(os.sep, "/") for f in files]
 
 
-def _jsonl_line_starts(path: str) -> np.ndarray:
-  """Byte offsets int64 [N] of the non-blank lines of ``path``, read in blocks to bound memory."""
-  found, line_start, offset = [], 0, 0
-  with open(path, "rb") as f:
-    while block := f.read(1 << 24):
-      chars = np.frombuffer(block, np.uint8)
-      starts = np.concatenate([[line_start], offset + np.flatnonzero(chars == ord("\n")) + 1])
-      # Each visible character (not whitespace, which is <= " " in ASCII and UTF-8) marks its line.
-      visible = offset + np.flatnonzero(chars > ord(" "))
-      found.append(np.unique(starts[np.searchsorted(starts, visible, side="right") - 1]))
-      line_start, offset = starts[-1], offset + len(block)
-  return np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
+def _sizes(files: list[str]) -> list[int]:
+  try:
+    return [os.stat(f).st_size for f in files]
+  except OSError as e:
+    raise ConfigError(f"data file {e.filename!r} cannot be read: {e.strerror}") from None
 
 
-def _read_jsonl_line(path: str, start: int, field: str) -> str:
+# --- JSONL ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class JsonlIndex:
+  """A JSONL file's records: the byte offsets int64 [N] of its non-blank lines, each a JSON object
+  with a string text field, and the file's size when they were found."""
+
+  starts: np.ndarray
+  size: int
+
+
+_jsonl_indexes: dict[tuple[str, str], tuple[tuple[int, int], JsonlIndex]] = {}
+
+
+def jsonl_index(path: str, field: str) -> JsonlIndex:
+  """The index of ``path``, built by parsing every line once per file size and modification time
+  (``config.validate`` builds it, the pipeline reuses it). ``ConfigError`` names the first line
+  that is not a JSON object with a string ``field``, or a file without a record."""
+  stat = os.stat(path)
+  key, version = (os.path.abspath(path), field), (stat.st_size, stat.st_mtime_ns)
+  cached = _jsonl_indexes.get(key)
+  if cached is None or cached[0] != version:
+    cached = _jsonl_indexes[key] = (version, _scan_jsonl(path, field))
+  return cached[1]
+
+
+def _scan_jsonl(path: str, field: str) -> JsonlIndex:
+  starts, offset, bad_lines, first_bad = array.array("q"), 0, 0, 0
   with open(path, "rb") as f:
-    f.seek(start)
-    return json.loads(f.readline())[field]
+    for number, raw in enumerate(f, 1):
+      if not raw.isspace():
+        try:
+          text, invalid = raw.decode("utf-8-sig"), False  # (the file may start with a BOM)
+        except UnicodeDecodeError:
+          text, invalid = raw.decode("utf-8-sig", errors="replace"), True
+        try:
+          record = json.loads(text)
+        except json.JSONDecodeError:
+          try:  # again without the newline, which an unterminated string would take in
+            record = json.loads(text.rstrip("\r\n"))
+          except json.JSONDecodeError as e:
+            raise ConfigError(f"{path!r} line {number} is not JSON: {e.msg} (column {e.colno})"
+                              ) from None
+        value = record.get(field) if isinstance(record, dict) else None
+        if not isinstance(value, str):
+          keys = sorted(record)[:10] if isinstance(record, dict) else []
+          if not starts:  # the first record: most likely the wrong data.text_field
+            raise ConfigError(f"data.text_field={field!r} is not a text key of {path!r}; its"
+                              f" first record has {keys}")
+          if not isinstance(record, dict):
+            detail = f"it is a JSON {type(record).__name__}"
+          elif field in record:
+            detail = f"{field!r} is {json.dumps(value)[:40]}"
+          else:
+            detail = f"its keys are {keys}"
+          raise ConfigError(f"{path!r} line {number} is not a record with a string {field!r}:"
+                            f" {detail}")
+        if invalid:
+          bad_lines, first_bad = bad_lines + 1, first_bad or number
+        starts.append(offset)
+      offset += len(raw)
+  if not starts:
+    raise ConfigError(f"{path!r} has no JSON line")
+  if bad_lines:
+    _warn_once(path, f"data file {path!r} has invalid UTF-8 on {bad_lines} of its {len(starts)}"
+                     f" records (first: line {first_bad}); it is read as U+FFFD")
+  return JsonlIndex(np.frombuffer(starts, np.int64), offset)
+
+
+def _line_number(path: str, offset: int) -> int:
+  with open(path, "rb") as f:
+    return f.read(offset).count(b"\n") + 1
+
+
+def _read_jsonl_line(path: str, start: int, size: int, field: str) -> str:
+  raw = _read_bytes(path, size, start)
+  try:
+    value = json.loads(raw.decode("utf-8-sig", errors="replace"))[field]
+  except (ValueError, LookupError, TypeError):
+    value = None
+  if not isinstance(value, str):
+    raise ConfigError(f"data file {path!r} changed while the run reads it: line"
+                      f" {_line_number(path, start)} is no longer a record with text {field!r}")
+  text = _without_surrogates(value)
+  if text is not value and f"{path}:surrogates" not in _warned:
+    _warn_once(f"{path}:surrogates", f"data file {path!r} line {_line_number(path, start)} has a"
+                                     " lone surrogate escape; such escapes are read as U+FFFD")
+  return text
+
+
+# --- corpora -------------------------------------------------------------------------------------
+
+
+def _parquet_column(path: str, field: str):
+  """The text column of one file as Arrow large_binary (any UTF-8 is decoded per document)."""
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+
+  try:
+    column = pq.read_table(path, columns=[field]).column(0)
+  except (OSError, pa.ArrowException) as e:
+    raise ConfigError(f"data file {path!r} cannot be read as Parquet: {first_line(e)}") from None
+  try:
+    column.validate(full=True)
+  except pa.ArrowInvalid:
+    _warn_once(path, f"data file {path!r} has invalid UTF-8 in column {field!r}; it is read as"
+                     " U+FFFD")
+  binary = pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary()
+  return [chunk.view(binary).cast(pa.large_binary()) for chunk in column.chunks]
 
 
 def _local_corpus(
@@ -96,21 +265,22 @@ def _local_corpus(
   """Keys (for the held-out hash) and a reader ``i -> document`` of every document in ``files``."""
   names = _relative(files)
   if source == "text":
-    return names, lambda i: _read_text(files[i])
+    sizes = _sizes(files)
+    return names, lambda i: _read_text(files[i], sizes[i])
   if source == "jsonl":
-    starts = [_jsonl_line_starts(f) for f in files]
-    refs = [(f, int(s)) for f, file_starts in zip(files, starts) for s in file_starts]
-    keys = [f"{name}:{s}" for name, file_starts in zip(names, starts) for s in file_starts]
+    indexes = [jsonl_index(f, field) for f in files]
+    refs = [(f, int(s), index.size) for f, index in zip(files, indexes) for s in index.starts]
+    keys = [f"{name}:{s}" for name, index in zip(names, indexes) for s in index.starts]
     return keys, lambda i: _read_jsonl_line(*refs[i], field)
   import pyarrow as pa  # pylint: disable=g-import-not-at-top
-  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
 
-  # The text column is held in memory (Arrow strings); shuffled reads would otherwise decode a whole
-  # row group per document.
-  column = pa.chunked_array([pq.read_table(f, columns=[field]).column(0) for f in files])
-  rows = [pq.read_metadata(f).num_rows for f in files]
+  # The text column is held in memory (Arrow buffers); shuffled reads would otherwise decode a
+  # whole row group per document.
+  columns = [_parquet_column(f, field) for f in files]
+  column = pa.chunked_array([chunk for chunks in columns for chunk in chunks], pa.large_binary())
+  rows = [sum(len(chunk) for chunk in chunks) for chunks in columns]
   keys = [f"{name}:{row}" for name, num_rows in zip(names, rows) for row in range(num_rows)]
-  return keys, lambda i: column[i].as_py() or ""
+  return keys, lambda i: (column[i].as_py() or b"").decode("utf-8", errors="replace")
 
 
 def _held_out(key: str, fraction: float) -> bool:

@@ -17,7 +17,8 @@ Ids (``V`` = ``data.synthetic.vocab_size`` data symbols): 0 pad, 1 bos, 2 eos (u
   symbol that followed the first marker. The paper: ``V = 16``, ``L = 256``; evaluating with a
   larger ``eval_seq_len`` measures extrapolation.
 
-Row ``i`` of split ``s`` depends only on ``(config.seed, s, i)``, so any step can be regenerated.
+Row ``i`` of split ``s`` depends only on ``(seed, s, i)`` (``config.seed`` for training, a fixed
+seed for the held-out rows), so any step can be regenerated.
 """
 
 from __future__ import annotations
@@ -114,11 +115,12 @@ def _row(index: int, *, seed: int, split: int, length: int, task_config) -> dict
 
 
 def rows(
-    config, *, split: int, length: int, process_index: int, process_count: int
+    config, *, split: int, seed: int, length: int, process_index: int, process_count: int
 ) -> grain.MapDataset:
   """Endless rows of the task for one process: rows ``process_index``,
-  ``process_index + process_count``, ... of split ``split`` (0 train, 1 eval)."""
+  ``process_index + process_count``, ... of split ``split`` (0 train, 1 eval) drawn with
+  ``seed``."""
   row = functools.partial(
-      _row, seed=config.seed, split=split, length=length, task_config=config.data.synthetic
+      _row, seed=seed, split=split, length=length, task_config=config.data.synthetic
   )
   return grain.MapDataset.range(sys.maxsize)[process_index::process_count].map(row)

@@ -26,7 +26,7 @@ def run(out, name, gpus, args, steps):
   env = dict(os.environ, GPUS_PER_NODE=str(gpus), PYTHONUNBUFFERED="1")
   cmd = ["bash", os.path.join(ROOT, "scripts", "launch_gpus.sh"), f"--workdir={workdir}",
          f"--config.total_steps={steps}", "--config.log_every=5", "--config.eval_every=0",
-         f"--config.checkpoint_every={steps}", "--config.data.eval_batches=1", *args]
+         f"--config.checkpoint_every={steps}", "--config.data.eval_tokens=1", *args]
   start = time.time()
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
   print(f"{name}: exit {proc.returncode} in {time.time() - start:.0f} s", flush=True)
