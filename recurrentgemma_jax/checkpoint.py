@@ -63,22 +63,70 @@ def resolve_model_dir(path: str) -> str:
       "written by scripts/import_recurrentgemma.py or a training workdir)")
 
 
+def read_json_item(path: str, item: str) -> dict[str, Any]:
+  """The JSON of item ``item`` of the checkpoint directory ``path`` (``model_config``, or a
+  training step's ``meta`` and ``data``); a CheckpointError if missing or unreadable."""
+  item_dir = os.path.join(path, item)
+  # (Orbax names the JSON "metadata"; a training step's items also hold commit_success.txt.)
+  files = sorted((f for f in os.listdir(item_dir)
+                  if not f.startswith("_") and f != "commit_success.txt"),
+                 key=lambda f: f != "metadata") if os.path.isdir(item_dir) else []
+  if not files:
+    raise CheckpointError(f"checkpoint {path!r}: '{item}' is empty")
+  try:
+    with open(os.path.join(item_dir, files[0])) as f:
+      value = json.load(f)
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f"checkpoint {path!r}: cannot read '{item}': {e}") from None
+  if not isinstance(value, dict):
+    raise CheckpointError(f"checkpoint {path!r}: '{item}' is not a JSON object")
+  return value
+
+
 def read_model_config(path: str) -> tuple[model_lib.ModelConfig, dict[str, Any]]:
   """The model config and the raw JSON (which also names the tokenizer)."""
-  config_dir = os.path.join(path, MODEL_CONFIG)
-  # (Orbax names the JSON "metadata"; a training step's items also hold commit_success.txt.)
-  files = sorted((f for f in os.listdir(config_dir)
-                  if not f.startswith("_") and f != "commit_success.txt"),
-                 key=lambda f: f != "metadata")
-  if not files:
-    raise CheckpointError(f"checkpoint {path!r}: '{MODEL_CONFIG}' is empty")
+  meta = read_json_item(path, MODEL_CONFIG)
   try:
-    with open(os.path.join(config_dir, files[0])) as f:
-      meta = json.load(f)
     # (Written before model.scan_layers existed: one entry per layer.)
     return model_lib.ModelConfig.from_dict({"scan_layers": False} | meta), meta
-  except (OSError, ValueError, TypeError) as e:
+  except (ValueError, TypeError) as e:
     raise CheckpointError(f"checkpoint {path!r}: cannot read '{MODEL_CONFIG}': {e}") from None
+
+
+def committed_steps(directory: str) -> list[int]:
+  """The steps of ``directory`` (a workdir's ``checkpoints/``) that Orbax committed, newest
+  first (an interrupted save is a temporary directory with another name)."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted((int(name) for name in os.listdir(directory) if name.isdigit()), reverse=True)
+
+
+def _param_shapes(cfg: model_lib.ModelConfig) -> dict[str, tuple[int, ...]]:
+  cfg = dataclasses.replace(cfg, scan_layers=False)  # either layout restores (relayout)
+  abstract = nnx.state(nnx.eval_shape(lambda: model_lib.init_model(cfg)), nnx.Param)
+  leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract))[0]
+  return {jax.tree_util.keystr(path): tuple(x.shape) for path, x in leaves}
+
+
+def shape_difference(saved: model_lib.ModelConfig, ours: model_lib.ModelConfig
+                     ) -> tuple[str, Any, Any] | None:
+  """``(field, saved value, our value)`` of the first ``ModelConfig`` field that makes the
+  parameter trees of the two configs differ (names or shapes); None when they agree. Fields
+  that do not change shapes (dtype, kernels, window, remat, layer layout) never count."""
+  reference = _param_shapes(saved)
+  if reference == _param_shapes(ours):
+    return None
+  for field in dataclasses.fields(model_lib.ModelConfig):
+    a, b = getattr(saved, field.name), getattr(ours, field.name)
+    if a == b:
+      continue
+    try:
+      changes = _param_shapes(dataclasses.replace(saved, **{field.name: b})) != reference
+    except Exception:  # pylint: disable=broad-except  (inconsistent alone: it is a shape field)
+      changes = True
+    if changes:
+      return field.name, a, b
+  return "parameter shapes", "", ""
 
 
 def restore_params(path: str, params_abstract: nnx.State, shardings=None, *,

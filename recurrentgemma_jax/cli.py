@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import sys
+import traceback
+
+from absl import logging as absl_logging
 
 from recurrentgemma_jax.errors import CheckpointError, ConfigError, first_line
 
@@ -22,6 +27,35 @@ def user_errors():
     sys.exit(2)
 
 
+def quiet_background_failures() -> None:
+  """A checkpoint write that fails in Orbax's background threads is reported by the run in one
+  line (``train.Checkpoints``). Orbax also logs it, with a traceback, from each thread and
+  task it passed through (absl and asyncio loggers), and TensorStore writes that finish after
+  Orbax closed its event loop print ``Event loop is closed`` tracebacks: those repeats are
+  dropped. Every other log record and exception is untouched."""
+  orbax = f"{os.sep}orbax{os.sep}"
+
+  def keep(record: logging.LogRecord) -> bool:
+    if not record.exc_info:
+      return True
+    if orbax in record.pathname or ".orbax-checkpoint-tmp" in record.getMessage():
+      return False
+    return not any(orbax in frame.filename
+                   for frame in traceback.extract_tb(record.exc_info[2]))
+
+  absl_logging.get_absl_logger().addFilter(keep)
+  logging.getLogger("asyncio").addFilter(keep)
+  previous = sys.unraisablehook  # (how TensorStore reports an exception in its callbacks)
+
+  def hook(unraisable):
+    value = unraisable.exc_value
+    if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+      return
+    previous(unraisable)
+
+  sys.unraisablehook = hook
+
+
 def split_config_flags(args: list[str]) -> tuple[list[str], list[str]]:
   """``(overrides, unknown)``: ``--config.a.b=v`` and ``--config.a.b v`` (joined to the first
   form) versus every other argument."""
@@ -34,6 +68,73 @@ def split_config_flags(args: list[str]) -> tuple[list[str], list[str]]:
     (overrides if item.startswith("--config.") else unknown).append(item)
     i += 1
   return overrides, unknown
+
+
+def _config_spec(args: list[str], default: str) -> tuple[str, list[str]]:
+  """The ``--config`` value (``--config=SPEC`` or ``--config SPEC``) and the other args."""
+  spec, rest, i = default, [], 0
+  while i < len(args):
+    if args[i] == "--config" and i + 1 < len(args):
+      spec, i = args[i + 1], i + 2
+      continue
+    if args[i].startswith("--config="):
+      spec = args[i].split("=", 1)[1]
+    else:
+      rest.append(args[i])
+    i += 1
+  return spec, rest
+
+
+def parse_config_flags(argv: list[str], *, default_config: str, define=None):
+  """A config script's command line (``argv[0]`` is the program) through absl flags:
+  ``--config=FILE[:ARG]`` and ``--config.FIELD=VALUE`` with ``ml_collections.config_flags``,
+  the script's own flags with ``define(flag_values) -> {name: FlagHolder}``. Returns
+  ``(config, {name: value})``.
+
+  The config fields are checked first by ``configlib`` (one ConfigError line naming the
+  field, the value and what is allowed); a FlagValues of its own per call lets a script's
+  ``main`` run more than once in a process (the tests do).
+  """
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  from recurrentgemma_jax import configlib  # pylint: disable=g-import-not-at-top
+
+  spec, rest = _config_spec(list(argv[1:]), default_config)
+  overrides, _ = split_config_flags(rest)  # (the others are absl's to parse)
+  configlib.override(configlib.load(spec), overrides)  # our one-line errors first
+
+  argv = [argv[0], f"--config={spec}", *rest]
+  values = flags.FlagValues()
+  holder = config_flags.DEFINE_config_file(
+      "config", None, "a config file and its argument, FILE[:ARG]", flag_values=values,
+      lock_config=False, sys_argv=argv)
+  holders = define(values) if define else {}
+  try:
+    positional = values(argv)[1:]
+  except flags.UnrecognizedFlagError as e:
+    raise ConfigError(f"unknown argument '--{e.flagname}' (use --config.FIELD=VALUE to set a "
+                      "field)") from None
+  except Exception as e:  # pylint: disable=broad-except  (absl and config_flags raise many)
+    raise ConfigError(first_line(e)) from None
+  if positional:
+    raise ConfigError(f"unknown argument {positional[0]!r}")
+  return holder.value, {name: h.value for name, h in holders.items()}
+
+
+def run(main) -> None:
+  """``absl.app.run(main)`` with the whole command line left to ``main``, which parses it
+  (:func:`parse_config_flags`); absl's global flags keep their defaults."""
+  from absl import app, flags  # pylint: disable=g-import-not-at-top
+
+  def absl_flags_only(argv):
+    flags.FLAGS(argv[:1])
+    return argv
+
+  def quiet_main(argv):
+    absl_logging.set_verbosity(absl_logging.WARNING)  # (Orbax logs every step at INFO)
+    return main(argv)
+
+  app.run(quiet_main, flags_parser=absl_flags_only)
 
 
 def parse_bool(value: str) -> bool:

@@ -121,12 +121,18 @@ def _resolve(config, key: str):
       prefix = ".".join(parts[:i + 1])
       guess = difflib.get_close_matches(key, known, n=1)
       hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+      if key in _RENAMED:
+        hint = f" ({_RENAMED[key]})"
       raise ConfigError(f"unknown config field {prefix!r} in --config.{key}{hint}")
     if i == len(parts) - 1:
       if isinstance(node[part], ml_collections.ConfigDict):
         raise ConfigError(f"--config.{key} is a group of fields; set one of its fields")
       return node, part
     node = node[part]
+
+
+_RENAMED = {"data.eval_batches": "replaced by data.eval_tokens, the held-out tokens scored "
+                                  "(rows x seq_len), the same whatever the batch size"}
 
 
 def _all_fields(config, prefix=""):
@@ -228,20 +234,15 @@ def _init_from_errors(path: str, cfg: model_lib.ModelConfig) -> list[str]:
     saved, _ = checkpoint.read_model_config(checkpoint.resolve_model_dir(path))
   except CheckpointError as e:
     return [f"init_from: {e}"]
-  def shapes(c: model_lib.ModelConfig) -> dict:
-    return {"vocab_size": c.vocab_size, "width": c.width, "lru_width": c.resolved_lru_width,
-            "mlp_expanded_width": c.resolved_mlp_width, "num_heads": c.num_heads,
-            "num_gate_blocks": c.resolved_gate_blocks,
-            "conv1d_temporal_width": c.conv1d_temporal_width}
-
-  theirs = shapes(saved)
-  for name, ours in shapes(cfg).items():
-    if ours != theirs[name]:
-      return [f"init_from={path!r} has model.{name}={theirs[name]} but this run has {ours}"]
-  if saved.resolved_block_types != cfg.resolved_block_types:
-    return [f"init_from={path!r} has block types {','.join(saved.resolved_block_types)} but "
-            f"this run has {','.join(cfg.resolved_block_types)}"]
+  difference = checkpoint.shape_difference(saved, cfg)
+  if difference:
+    field, theirs, ours = difference
+    return [f"init_from={path!r} has model.{field}={_show(theirs)} but this run has {_show(ours)}"]
   return []
+
+
+def _show(value) -> str:
+  return ",".join(value) if isinstance(value, tuple) else str(value)
 
 
 def _mesh_errors(mesh, device_count: int) -> list[str]:
@@ -277,6 +278,7 @@ def family_config(family: str, size: str | None) -> ml_collections.ConfigDict:
   c.total_steps = 10_000
   c.batch_size = 32
   c.seq_len = 2048
+  c.data.eval_tokens = 524_288  # 256 held-out rows of 2048 tokens (the same for any batch_size)
   c.log_every = 50
   c.eval_every = 1000
   c.checkpoint_every = 1000

@@ -7,6 +7,7 @@ runs is ``scan.py``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -27,7 +28,8 @@ from jax.experimental import multihost_utils
 from recurrentgemma_jax import checkpoint as ckpt_lib
 from recurrentgemma_jax import aot, configlib, data, flops
 from recurrentgemma_jax import model as model_lib
-from recurrentgemma_jax.errors import ConfigError, first_line
+from recurrentgemma_jax import workdir as workdir_lib
+from recurrentgemma_jax.errors import CheckpointError, ConfigError, first_line
 from sharding import distributed, partitioning
 
 # Parameters that are never weight-decayed: norm scales, biases and the RG-LRU's a_param.
@@ -36,6 +38,12 @@ _NO_DECAY = ("scale", "bias", "b", "a_param")
 
 class NonFiniteLoss(RuntimeError):
   pass
+
+
+class SaveFailed(CheckpointError):
+  """A checkpoint could not be written (a full disk, a file-size limit); the previous one is
+  still the latest. Orbax's background threads are left broken: exit without waiting for
+  them (``scripts/train.py``)."""
 
 
 def make_optimizer(opt: ml_collections.ConfigDict, total_steps: int):
@@ -137,11 +145,19 @@ class MetricsWriter:
     self.path = os.path.join(workdir, "metrics.jsonl")
     self.tty = sys.stdout.isatty()
     self.primary = jax.process_index() == 0  # the one process that writes (shared workdir)
-    if self.primary and os.path.exists(self.path):  # drop lines the resumed run logs again
+    self.kept: list[dict[str, Any]] = []
+    if self.primary and os.path.exists(self.path):
+      # Keep what the resumed run will not log again; a line cut short by a kill is dropped.
       with open(self.path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+        for line in f:
+          try:
+            record = json.loads(line)
+          except ValueError:
+            continue
+          if isinstance(record, dict) and record.get("step", resume_step + 1) <= resume_step:
+            self.kept.append(record)
       with open(self.path + ".tmp", "w") as f:
-        f.writelines(kept)
+        f.writelines(json.dumps(r) + "\n" for r in self.kept)
       os.replace(self.path + ".tmp", self.path)
     self.tb = None
     if self.primary:
@@ -150,6 +166,9 @@ class MetricsWriter:
         self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
       except ImportError:
         pass
+
+  def has_eval(self, step: int) -> bool:
+    return any(r["step"] == step and "eval_loss" in r for r in self.kept)
 
   def write(self, record: dict[str, Any], progress: str | None = None) -> None:
     if not self.primary:
@@ -181,21 +200,43 @@ class Checkpoints:
   def __init__(self, workdir: str, keep: int):
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
     self.ocp = ocp
-    self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    self.workdir = os.path.abspath(workdir)
+    self.directory = os.path.join(self.workdir, "checkpoints")
     self.manager = ocp.CheckpointManager(
         self.directory, item_names=self.ITEMS,
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                              enable_async_checkpointing=True))
+    self.latest = self.manager.latest_step()  # the newest committed step
+    self.in_flight: int | None = None
+
+  def _checked(self, action, step: int | None = None) -> None:
+    """Runs ``action``; a save that failed (now or in the background: a full disk, a file
+    size limit) becomes one CheckpointError naming it and the latest committed step."""
+    try:
+      action()
+    except Exception as e:  # pylint: disable=broad-except  (Orbax re-raises the writer's)
+      failed = self.in_flight if self.in_flight is not None else step
+      self.in_flight = None
+      text = first_line(e, 1000)
+      # TensorStore's messages end with the operating system's reason.
+      reason = text.rsplit(": ", 1)[-1] if "os_error_code" in text else text[:200]
+      raise SaveFailed(
+          f"could not write checkpoint step {failed} in {self.directory} ({reason}); the "
+          f"latest checkpoint is step {self.latest}") from None
+    if self.in_flight is not None and step is None:
+      self.latest, self.in_flight = self.in_flight, None
 
   def save(self, step: int, state, model_cfg, data_state, meta) -> None:
     ocp = self.ocp
     config_json = dataclasses.asdict(model_cfg) | {"tokenizer": meta.get("tokenizer")}
-    self.manager.save(step, args=ocp.args.Composite(
+    self._checked(self.manager.wait_until_finished)  # the previous save, committed
+    self._checked(lambda: self.manager.save(step, args=ocp.args.Composite(
         params=ocp.args.StandardSave(nnx.to_pure_dict(state["params"])),
         opt_state=ocp.args.StandardSave(state["opt_state"]),
         model_config=ocp.args.JsonSave(config_json),
         data=ocp.args.JsonSave(data_state),
-        meta=ocp.args.JsonSave(meta | {"step": step})))
+        meta=ocp.args.JsonSave(meta | {"step": step}))), step)
+    self.in_flight = step
 
   def restore_latest(self, abstract_state, log, model_cfg) -> tuple[Any, Any] | None:
     """The newest readable ``(state, data_state)``; unreadable ones are moved aside. A
@@ -214,8 +255,8 @@ class Checkpoints:
             data=ocp.args.JsonRestore()))
       except Exception as e:  # pylint: disable=broad-except  (any damage: try the previous one)
         aside = os.path.join(self.directory, f"{step}.unreadable-{int(time.time())}")
-        log(f"warning: checkpoint step {step} is unreadable ({first_line(e, 200)}); "
-            f"moved to {aside}, trying the previous one")
+        log(f"WARNING: checkpoint step {step} is unreadable ({first_line(e, 200)}); "
+            f"its files are kept in {aside}; trying the previous checkpoint")
         if jax.process_index() == 0:
           os.rename(os.path.join(self.directory, str(step)), aside)
         if jax.process_count() > 1:  # every process sees the move before reloading
@@ -238,7 +279,20 @@ class Checkpoints:
     return None
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    """Until the save in flight is committed."""
+    self._checked(self.manager.wait_until_finished)
+
+  def close(self) -> None:
+    """Waits for the save in flight and stops Orbax's background threads (an exit without
+    this prints asyncio noise). After a failed save (already raised) it only stops them."""
+    try:
+      if self.in_flight is not None:
+        self.wait()
+    finally:
+      try:
+        self.manager.close()
+      except Exception:  # pylint: disable=broad-except
+        pass  # a failed save was raised by a wait; after a successful one nothing is pending
 
 
 def _place(batch: dict[str, np.ndarray], sharding, global_rows: int) -> dict[str, jax.Array]:
@@ -325,14 +379,125 @@ def setup(config: ml_collections.ConfigDict, devices=None) -> Setup:
                abstract_state)
 
 
+def _flat(config, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for key, value in config.items():
+    if isinstance(value, (dict, ml_collections.ConfigDict)):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[prefix + key] = value
+  return out
+
+
+def _optimizer_difference(saved: ml_collections.ConfigDict, config: ml_collections.ConfigDict,
+                          params_abstract) -> tuple[str, Any, Any] | None:
+  """The first ``optimizer`` field whose saved value gives another optimizer-state structure
+  than this run's (e.g. clipping on or off); None when the structures agree."""
+  def structure(opt):
+    tx, _ = make_optimizer(opt, config.total_steps)
+    return jax.tree.structure(jax.eval_shape(tx.init, params_abstract))
+
+  saved_opt = ml_collections.ConfigDict(config.optimizer.to_dict())
+  saved_opt.update({k: v for k, v in saved.get("optimizer", {}).items() if k in saved_opt})
+  ours = structure(config.optimizer)
+  if structure(saved_opt) == ours:
+    return None
+  for name, value in config.optimizer.items():
+    if saved_opt[name] != value:
+      trial = ml_collections.ConfigDict(saved_opt.to_dict())
+      trial[name] = value
+      if structure(trial) == ours:
+        return name, saved_opt[name], value
+  return "optimizer state", "", ""
+
+
+def check_resume(config: ml_collections.ConfigDict, plan: Setup, workdir: str
+                 ) -> tuple[int, list[str]] | None:
+  """Before anything compiles: the newest checkpoint of ``workdir`` whose configs are
+  readable, against this run. Another parameter tree (family, shapes, vocabulary) or
+  optimizer-state structure is a ConfigError naming the first differing field and both values
+  (nothing is renamed or written). Otherwise ``(step, changed settings)``: those resume.
+  None without a checkpoint."""
+  directory = os.path.join(workdir, "checkpoints")
+  for step in ckpt_lib.committed_steps(directory):
+    path = os.path.join(directory, str(step))
+    try:
+      saved_cfg, _ = ckpt_lib.read_model_config(path)
+      meta = ckpt_lib.read_json_item(path, "meta")
+      saved = json.loads(meta["config"]) if "config" in meta else None
+    except (CheckpointError, ValueError, TypeError):
+      continue  # its bytes are damaged: restoring sets it aside and says so
+    fresh = "use a new --workdir to start fresh"
+    difference = ckpt_lib.shape_difference(saved_cfg, plan.model_cfg)
+    if difference:
+      name, theirs, ours = difference
+      raise ConfigError(
+          f"--workdir {workdir} holds a run of another model: model.{name} is {theirs!r} in "
+          f"its checkpoint step {step} and {ours!r} in this run; nothing was changed. Rerun "
+          f"with its settings to resume, or {fresh}")
+    if saved is None:
+      return step, []
+    difference = _optimizer_difference(saved, config, plan.params_abstract)
+    if difference:
+      name, theirs, ours = difference
+      raise ConfigError(
+          f"--workdir {workdir} holds a run of another optimizer state: optimizer.{name} is "
+          f"{theirs!r} in its checkpoint step {step} and {ours!r} in this run; nothing was "
+          f"changed. Rerun with its settings to resume, {fresh}, or start from its weights "
+          f"with --config.init_from={path} in a new --workdir")
+    before, now = _flat(saved), _flat(config.to_dict())
+    changed = [f"{k} {before.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}"
+               for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)]
+    return step, changed
+  return None
+
+
+@contextlib.contextmanager
+def _one_run_per_workdir(workdir: str, log):
+  """Holds ``WORKDIR/lock`` for the run's life (process 0 holds it; every process learns
+  whether it got it)."""
+  lock, error = None, None
+  if jax.process_index() == 0:
+    try:
+      lock = workdir_lib.WorkdirLock(workdir).acquire()
+    except ConfigError as e:
+      error = e
+  if jax.process_count() > 1:
+    got = bool(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
+    if not got and error is None:
+      error = ConfigError(f"--workdir {workdir}: process 0 could not take the workdir's lock")
+  if error is not None:
+    raise error
+  if lock is not None and lock.note:
+    log(f"note: {lock.note}")
+  try:
+    yield
+  finally:
+    if lock is not None:
+      lock.release()
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains (or resumes) according to ``config``; returns the last logged metrics."""
   distributed.initialize()
   configlib.validate(config, process_count=jax.process_count(), device_count=jax.device_count())
   plan = setup(config)
-  model_cfg, mesh = plan.model_cfg, plan.mesh
-
   log = print if jax.process_index() == 0 else (lambda *_: None)
+  workdir = workdir_lib.prepare(workdir) if jax.process_index() == 0 else os.path.abspath(
+      workdir)
+  stop = _Stop()  # from here on, SIGTERM stops the run cleanly
+  try:
+    with _one_run_per_workdir(workdir, log):
+      resume = check_resume(config, plan, workdir)
+      if resume and resume[1]:
+        log(f"resuming step {resume[0]} with changed settings: {'; '.join(resume[1])}")
+      return _train(config, workdir, plan, log, stop)
+  finally:
+    stop.restore()
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str, plan: Setup, log,
+           stop: "_Stop") -> dict[str, Any]:
   # The fit check, before anything is allocated or written: the steps are compiled here (and
   # then used), their memory compared with the devices'.
   started = time.perf_counter()
@@ -342,9 +507,40 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   log(f"compiled in {time.perf_counter() - started:.1f} s: "
       f"{aot.human_bytes(compiled.worst.memory.total)} per device of "
       f"{aot.human_bytes(limit) if limit else 'an unknown amount'}")
-  os.makedirs(workdir, exist_ok=True)
   n_params = sum(x.size for x in jax.tree.leaves(plan.params_abstract))
   checkpoints = Checkpoints(workdir, config.keep_checkpoints)
+  try:
+    return _loop(config, plan, log, compiled, checkpoints, n_params, stop)
+  finally:
+    checkpoints.close()
+
+
+class _Stop:
+  """Whether to save and stop after a step: SIGTERM in a single process; in a multi-process
+  run, JAX's preemption sync point (its notifier owns SIGTERM: when any process is signalled,
+  all agree on one step to save)."""
+
+  def __init__(self):
+    self.multi = jax.process_count() > 1
+    self.signal = None
+    self.previous = None
+    if not self.multi:
+      self.previous = signal.signal(signal.SIGTERM,
+                                    lambda signum, _: setattr(self, "signal", signum))
+
+  def __call__(self, step: int) -> bool:
+    if self.multi and multihost_utils.reached_preemption_sync_point(step):
+      self.signal = signal.SIGTERM
+    return self.signal is not None
+
+  def restore(self) -> None:
+    if self.previous is not None:
+      signal.signal(signal.SIGTERM, self.previous)
+
+
+def _loop(config, plan: Setup, log, compiled, checkpoints: "Checkpoints", n_params: int,
+          stop: _Stop):
+  model_cfg, mesh = plan.model_cfg, plan.mesh
   restored = checkpoints.restore_latest(plan.abstract_state, log, model_cfg)
   shard_index, shard_count = partitioning.process_data_shard(mesh)
   train_iter = data.make_train_iterator(config, process_index=shard_index,
@@ -363,7 +559,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
   flops_per_token = flops.train_flops_per_token(model_cfg, config.seq_len)
   peak = flops.device_peak_flops()
-  writer = MetricsWriter(workdir, start)
+  writer = MetricsWriter(checkpoints.workdir, start)
   writer.message(
       f"{model_cfg.family} model: {n_params / 1e6:.2f}M parameters, "
       f"{len(model_cfg.resolved_block_types)} blocks; mesh data={mesh.shape['data']} "
@@ -388,27 +584,43 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                    f"accuracy {record['eval_accuracy']:.4f}")
     return record
 
+  def eval_due(step: int) -> bool:
+    return bool(config.eval_every and step % config.eval_every == 0) or (
+        step == config.total_steps)
+
   meta = {"tokenizer": config.data.tokenizer, "config": config.to_json()}
   last_good = start
 
-  def save(step: int) -> None:
-    checkpoints.save(step, state, model_cfg, train_iter.get_state(), meta)
-
-  stop = {"signal": None}
-  previous = signal.signal(signal.SIGTERM, lambda signum, _: stop.update(signal=signum))
   pending: list[tuple[int, dict]] = []
   last_record: dict[str, Any] = {}
+  eval_record: dict[str, Any] | None = None
   interval_start, interval_steps = time.perf_counter(), 0
   phase, step = "training step", start
   try:
+    missing = bool(start and eval_due(start) and not writer.has_eval(start))
+    if jax.process_count() > 1:  # process 0 read the metrics: every process does the same
+      missing = bool(multihost_utils.broadcast_one_to_all(np.int32(missing)))
+    if missing and not stop.signal:
+      phase = "evaluation"  # the run that saved this step stopped before evaluating it
+      eval_record = evaluate(start)
+    if stop.signal and start < config.total_steps:  # signalled while starting: nothing new
+      writer.message(f"stopped by signal {stop.signal} before training; the latest "
+                     f"checkpoint is step {start}")
+      return last_record
     for step in range(start + 1, config.total_steps + 1):
       phase = "training step"
-      batch = _place(next(train_iter), batch_sh, config.batch_size)
+      try:
+        rows = next(train_iter)
+      except ConfigError as e:  # a data file that vanished or changed under the run
+        raise ConfigError(f"{e} (at step {step}; the last checkpoint is step {last_good} in "
+                          f"{checkpoints.directory})") from None
+      batch = _place(rows, batch_sh, config.batch_size)
       state, metrics = train_step(state, batch)
       pending.append((step, metrics))
       interval_steps += 1
+      stopping = stop(step)
       at_checkpoint = step % config.checkpoint_every == 0 or step == config.total_steps
-      if step % config.log_every == 0 or at_checkpoint or stop["signal"]:
+      if step % config.log_every == 0 or at_checkpoint or stopping:
         # The only host syncs: here, every log_every steps, and at checkpoints.
         host = jax.device_get(pending)
         pending.clear()
@@ -431,29 +643,29 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             f"step {step}/{config.total_steps}  loss {last_record['loss']:.4f}  "
             f"{tokens_per_sec:,.0f} tok/s  ETA {int(eta // 60)}m{int(eta % 60):02d}s"))
         interval_start, interval_steps = time.perf_counter(), 0
-      if at_checkpoint or stop["signal"]:
+      if at_checkpoint or stopping:
         phase = "saving"
-        save(step)
+        checkpoints.save(step, state, model_cfg, train_iter.get_state(), meta)
         last_good = step
-      if (config.eval_every and step % config.eval_every == 0) or step == config.total_steps:
+      if eval_due(step) and not stopping:
         phase = "evaluation"
         eval_record = evaluate(step)
       if interval_steps == 0:  # keep evaluation and saving out of the step timing
         interval_start = time.perf_counter()
-      if stop["signal"]:
+      if stopping:
+        phase = "saving"
         checkpoints.wait()
-        writer.message(f"stopped by signal {stop['signal']} after saving step {step}")
+        writer.message(f"stopped by signal {stop.signal} after saving step {step}")
         return last_record
+    phase = "saving"
+    checkpoints.wait()
   except jax.errors.JaxRuntimeError as e:
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
     raise ConfigError(f"out of device memory at step {step} ({phase}): {first_line(e, 200)}; "
                       f"the last checkpoint is step {last_good} in {checkpoints.directory}"
                       ) from None
-  finally:
-    checkpoints.wait()
-    signal.signal(signal.SIGTERM, previous)
-  if start < config.total_steps and config.data.source != "synthetic":
+  if eval_record is not None and config.data.source != "synthetic":
     writer.message(f"held-out loss {eval_record['eval_loss']:.4f} nats/token; the unigram "
                    f"entropy of the held-out tokens is {data.unigram_entropy(config):.4f}")
   writer.message(f"done: step {config.total_steps}, checkpoints in {checkpoints.directory}")

@@ -1,7 +1,7 @@
 """Compiles, on a machine without a TPU, the training step train.py would run on a TPU slice.
 
-  python scripts/compile_tpu.py --topology v5p-128 [--num_slices N] [--config FILE[:ARG]]
-      [--config.FIELD=VALUE ...] [--json OUT.json] [--hlo OUT.txt] [--search] [--hbm_gib X]
+  python scripts/compile_tpu.py --topology=v5p-128 [--num_slices=N] [--config=FILE[:ARG]]
+      [--config.FIELD=VALUE ...] [--json=OUT.json] [--hlo=OUT.txt] [--search] [--hbm_gib=X]
 
 --topology is a Cloud TPU slice name: v4-8 ... v4-4096 and v5p-8 ... v5p-12288 (TensorCores,
 two per chip), v5e-1 ... v5e-256 (or v5litepod-N) and v6e-1 ... v6e-256 (chips). The config and
@@ -17,14 +17,17 @@ per chip and MFU. --search compiles candidates to find the cheapest model.remat 
 block) and with it the largest micro-batch (fewest optimizer.grad_accum_steps) that fit, and
 prints them as flags. --hbm_gib judges against less HBM than the chip's (headroom).
 
+The flags are absl flags (the config through ml_collections.config_flags), as train.py's:
+a train.py command line compiles as it is (its --workdir is ignored).
+
 Exit status: 0 it compiles and fits; 1 it does not fit (one line: needed vs available per chip);
 2 bad input (one line per problem, nothing compiled); 3 it did not compile for another reason.
 """
 
-import argparse
 import json
 import os
 import sys
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -35,11 +38,6 @@ from recurrentgemma_jax import cli  # pylint: disable=g-import-not-at-top
 def _fail(code: int, message: str):
   print(f"error: {message}", file=sys.stderr)
   sys.exit(code)
-
-
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):  # one line, as for every other bad input
-    _fail(2, f"{message} (usage: {self.format_usage().strip().removeprefix('usage: ')})")
 
 
 def _size(n) -> str:
@@ -124,34 +122,37 @@ def _write_json(path: str, tpu, report, search) -> None:
     json.dump(record, f, indent=2)
 
 
-def main(argv=None) -> None:
-  parser = _Parser(description=__doc__.splitlines()[0],
-                   usage="%(prog)s --topology NAME [--num_slices N] [--config FILE[:ARG]] "
-                         "[--config.FIELD=VALUE ...] [--json OUT] [--hlo OUT] [--search]")
-  parser.add_argument("--topology", required=True)
-  parser.add_argument("--num_slices", type=int, default=1)
-  parser.add_argument("--config", default=os.path.join(ROOT, "configs", "default.py"))
-  parser.add_argument("--json", default="")
-  parser.add_argument("--hlo", default="")
-  parser.add_argument("--search", action="store_true")
-  parser.add_argument("--hbm_gib", type=float, default=0.0)
-  parser.add_argument("--workdir", default="")  # (ignored: a train.py command line compiles as is)
-  args, rest = parser.parse_known_args(argv)
-  overrides, bad = cli.split_config_flags(rest)
-  if bad:
-    _fail(2, f"unknown argument {bad[0]!r} (use --config.FIELD=VALUE to set a field)")
-  if args.hbm_gib < 0:
-    _fail(2, f"--hbm_gib={args.hbm_gib} must be positive")
+def define_flags(flag_values):
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  v = {"flag_values": flag_values}
+  return {
+      "topology": flags.DEFINE_string("topology", "", "a Cloud TPU slice name, e.g. v5p-128", **v),
+      "num_slices": flags.DEFINE_integer("num_slices", 1, "slices over DCN", **v),
+      "json": flags.DEFINE_string("json", "", "write the report as JSON here", **v),
+      "hlo": flags.DEFINE_string("hlo", "", "write the compiled training step's HLO here", **v),
+      "search": flags.DEFINE_bool("search", False, "find a remat and micro-batch that fit", **v),
+      "hbm_gib": flags.DEFINE_float("hbm_gib", 0.0, "judge against this HBM per chip", **v),
+      "workdir": flags.DEFINE_string("workdir", "", "ignored (train.py's flag)", **v)}
+
+
+def main(argv: list[str]) -> None:
+  """``argv``: the command line, program name first."""
   # Compile-only TPU devices come from libtpu; the host's own backend stays the CPU.
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+  with cli.user_errors():
+    from recurrentgemma_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
+    config, values = cli.parse_config_flags(
+        argv, default_config=os.path.join(ROOT, "configs", "default.py"), define=define_flags)
+    args = types.SimpleNamespace(**values)
+    if not args.topology:
+      raise ConfigError("--topology is required: a Cloud TPU slice name, e.g. --topology=v5e-8")
+    if args.hbm_gib < 0:
+      raise ConfigError(f"--hbm_gib={args.hbm_gib} must be positive")
 
   with cli.user_errors():
-    from recurrentgemma_jax import aot, configlib  # pylint: disable=g-import-not-at-top
-    from recurrentgemma_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
+    from recurrentgemma_jax import aot  # pylint: disable=g-import-not-at-top
     tpu = aot.parse_slice(args.topology, args.num_slices)
-    config = configlib.load(args.config)
-    configlib.override(config, overrides)
     if args.num_slices > 1:
       if config.mesh.slices not in (1, args.num_slices):
         raise ConfigError(f"mesh.slices={config.mesh.slices} but --num_slices="
@@ -218,4 +219,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  cli.run(main)

@@ -1,14 +1,16 @@
 """Trains a model; rerunning the same command resumes from the latest checkpoint.
 
-  python scripts/train.py [--config configs/NAME.py[:ARG]] [--workdir DIR] [--config.FIELD=VALUE ...]
+  python scripts/train.py [--config=configs/NAME.py[:ARG]] [--workdir=DIR] [--config.FIELD=VALUE ...]
 
 With no arguments it trains the default small Griffin (configs/default.py) on the built-in
 corpus into ./workdir. Metrics go to DIR/metrics.jsonl and DIR/tensorboard, checkpoints to
-DIR/checkpoints. SIGTERM saves the current step and exits 0.
+DIR/checkpoints; DIR/lock keeps a second run out. SIGTERM saves the current step and exits 0
+(on several processes: all save the same step). Flags are absl flags, the config through
+ml_collections.config_flags.
 """
 
-import argparse
 import os
+import signal
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -16,30 +18,35 @@ sys.path.insert(0, ROOT)
 
 from recurrentgemma_jax import cli  # pylint: disable=g-import-not-at-top
 
+DEFAULT_CONFIG = os.path.join(ROOT, "configs", "default.py")
 
-def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                   usage="%(prog)s [--config FILE[:ARG]] [--workdir DIR] "
-                                         "[--config.FIELD=VALUE ...]")
-  parser.add_argument("--config", default=os.path.join(ROOT, "configs", "default.py"))
-  parser.add_argument("--workdir", default="workdir")
-  args, rest = parser.parse_known_args(argv)
-  overrides, bad = cli.split_config_flags(rest)
-  if bad:
-    print(f"error: unknown argument {bad[0]!r} (use --config.FIELD=VALUE to set a field)",
-          file=sys.stderr)
-    sys.exit(2)
 
+def define_flags(flag_values):
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  return {"workdir": flags.DEFINE_string(
+      "workdir", "workdir", "checkpoints, metrics and the run's lock", flag_values=flag_values)}
+
+
+def main(argv: list[str]) -> None:
+  """``argv``: the command line, program name first."""
+  # A file-size limit makes writes fail (EFBIG: a checkpoint that cannot be written stops the
+  # run with one line) instead of killing the process.
+  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  cli.quiet_background_failures()
   with cli.user_errors():
-    from recurrentgemma_jax import configlib, train  # pylint: disable=g-import-not-at-top
-    config = configlib.load(args.config)
-    configlib.override(config, overrides)
+    config, flags = cli.parse_config_flags(argv, default_config=DEFAULT_CONFIG,
+                                           define=define_flags)
+    from recurrentgemma_jax import train  # pylint: disable=g-import-not-at-top
     try:
-      train.run(config, args.workdir)
+      train.run(config, flags["workdir"])
     except train.NonFiniteLoss as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(3)
+    except train.SaveFailed as e:
+      print(f"error: {e}", file=sys.stderr, flush=True)
+      sys.stdout.flush()
+      os._exit(2)  # pylint: disable=protected-access  (see SaveFailed)
 
 
 if __name__ == "__main__":
-  main()
+  cli.run(main)

@@ -68,12 +68,19 @@ def test_train_rejects_bad_input_with_one_line(args, expected, files, tmp_path, 
   train = load_script("train")
   args = [a.format(root=files) for a in args]
   with pytest.raises(SystemExit) as exit_info:
-    train.main([f"--workdir={tmp_path / 'run'}", "--config.total_steps=1", *args])
+    train.main(["train.py", f"--workdir={tmp_path / 'run'}", "--config.total_steps=1", *args])
   assert exit_info.value.code == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("error: "), err
   assert expected.format(root=files) in err[0], err
   assert not os.path.exists(tmp_path / "run" / "checkpoints")  # nothing ran
+
+
+def test_a_renamed_field_names_its_replacement(tmp_path, capsys):
+  with pytest.raises(SystemExit):
+    load_script("train").main(["train.py", f"--workdir={tmp_path}", "--config.data.eval_batches=2"])
+  [line] = capsys.readouterr().err.strip().splitlines()
+  assert "replaced by data.eval_tokens" in line, line
 
 
 def test_attention_impl_is_only_checked_where_the_model_has_attention():

@@ -1,0 +1,354 @@
+"""A run never loses work: one run per workdir, checkpoints of another model refused (not
+renamed), a save that cannot be written, quiet exits, preemption agreed across two processes,
+and kills at random moments (SIGKILL and SIGTERM) against an uninterrupted run, bit for bit."""
+
+import json
+import os
+import random
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from helpers import ROOT
+
+# A model that compiles in seconds; one block of each kind in the default griffin pattern.
+TINY = ["--config.model.width=32", "--config.model.lru_width=32", "--config.model.num_layers=3",
+        "--config.model.num_heads=2", "--config.model.num_gate_blocks=2",
+        "--config.model.mlp_expanded_width=64", "--config.model.attention_window_size=8",
+        "--config.batch_size=4", "--config.seq_len=32", "--config.data.eval_tokens=256",
+        "--config.optimizer.warmup_steps=2"]
+NOISE = ("Traceback", "Exception ignored", "Event loop is closed")
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+  """JAX's persistent compilation cache, shared by this module's runs: a restarted run loads
+  its compiled steps instead of compiling them again (what a user can set too)."""
+  return str(tmp_path_factory.mktemp("xla_cache"))
+
+
+def env(cache=None):
+  e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+  e.pop("XLA_FLAGS", None)
+  if cache:
+    e.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  return e
+
+
+def train_cmd(workdir, *extra):
+  return [sys.executable, os.path.join(ROOT, "scripts", "train.py"), f"--workdir={workdir}",
+          *TINY, *extra]
+
+
+def train(workdir, *extra, cache=None, preexec_fn=None, timeout=600):
+  return subprocess.run(train_cmd(workdir, *extra), env=env(cache), cwd=ROOT, text=True,
+                        capture_output=True, timeout=timeout, preexec_fn=preexec_fn)
+
+
+def records(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def saved_steps(workdir):
+  directory = os.path.join(workdir, "checkpoints")
+  return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
+
+
+def final_params(workdir, step):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  path = os.path.join(workdir, "checkpoints", str(step), "params")
+  return ocp.PyTreeCheckpointer().restore(path)
+
+
+def assert_quiet(proc):
+  output = proc.stdout + proc.stderr
+  assert not any(n in output for n in NOISE), output[-3000:]
+
+
+# --- one run per workdir ---------------------------------------------------------------------
+
+class Started:
+  """A run in the background; ``wait_for(text)`` blocks until a line containing it appears."""
+
+  def __init__(self, cmd, environment):
+    self.proc = subprocess.Popen(cmd, env=environment, cwd=ROOT, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    self.lines: list[str] = []
+    self.changed = threading.Condition()
+    threading.Thread(target=self._read, daemon=True).start()
+
+  def _read(self):
+    for line in self.proc.stdout:
+      with self.changed:
+        self.lines.append(line)
+        self.changed.notify_all()
+    with self.changed:
+      self.lines.append(None)
+      self.changed.notify_all()
+
+  def wait_for(self, text, timeout=300) -> bool:
+    """True once a line contains ``text``; False if the process ended first."""
+    deadline = time.time() + timeout
+    with self.changed:
+      while True:
+        if any(line is not None and text in line for line in self.lines):
+          return True
+        if self.lines and self.lines[-1] is None:
+          return False
+        assert time.time() < deadline, "".join(filter(None, self.lines))[-3000:]
+        self.changed.wait(timeout=1)
+
+  def output(self) -> str:
+    self.proc.wait(timeout=300)
+    with self.changed:
+      while not self.lines or self.lines[-1] is not None:
+        self.changed.wait(timeout=1)
+    return "".join(filter(None, self.lines))
+
+
+def test_a_second_run_on_the_same_workdir_exits_at_once_naming_the_first(tmp_path, compile_cache):
+  first = Started(train_cmd(tmp_path, "--config.total_steps=100000", "--config.log_every=1",
+                            "--config.eval_every=0"), env(compile_cache))
+  try:
+    assert first.wait_for("step 1/")
+    started = time.time()
+    second = train(tmp_path, "--config.total_steps=3", cache=compile_cache)
+    assert second.returncode == 2
+    assert time.time() - started < 60  # at once: before anything compiles
+    [line] = second.stderr.strip().splitlines()
+    assert line.startswith(f"error: --workdir {tmp_path} is in use by the run of pid "
+                           f"{first.proc.pid} on host {socket.gethostname()!r}"), line
+    assert "compiling" not in second.stdout
+    lines = [r["step"] for r in records(tmp_path) if "loss" in r]
+    assert lines == sorted(set(lines))  # only the first run wrote metrics
+  finally:
+    first.proc.send_signal(signal.SIGTERM)
+  assert first.proc.wait(timeout=120) == 0
+  assert not os.path.exists(tmp_path / "lock")  # released at exit
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_note(tmp_path, compile_cache):
+  run = Started(train_cmd(tmp_path, "--config.total_steps=100000", "--config.eval_every=0"),
+                env(compile_cache))
+  assert run.wait_for("step 0 of")
+  run.proc.kill()
+  run.output()
+  holder = json.loads((tmp_path / "lock").read_text())
+  assert holder["pid"] == run.proc.pid and holder["host"] == socket.gethostname()
+  again = train(tmp_path, "--config.total_steps=2", "--config.eval_every=0",
+                cache=compile_cache)
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert f"note: taking over the lock of the run of pid {run.proc.pid}" in again.stdout
+  assert not os.path.exists(tmp_path / "lock")
+
+
+def test_a_lock_of_another_host_is_refused_with_the_way_out(tmp_path):
+  (tmp_path / "lock").write_text(json.dumps({"host": "other-host", "pid": 7, "since": "then"}))
+  proc = train(tmp_path, "--config.total_steps=2")
+  assert proc.returncode == 2
+  [line] = proc.stderr.strip().splitlines()
+  assert "locked by the run of pid 7 on host 'other-host'" in line
+  assert f"remove {tmp_path / 'lock'}" in line
+
+
+def test_a_workdir_that_is_a_file_is_one_line(tmp_path):
+  (tmp_path / "file").write_text("x")
+  proc = train(tmp_path / "file", "--config.total_steps=1")
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines() == [
+      f"error: --workdir {str(tmp_path / 'file')!r} exists and is not a directory"]
+
+
+# --- resuming against another config ----------------------------------------------------------
+
+def test_resuming_with_another_model_or_optimizer_is_refused_and_nothing_changes(
+    tmp_path, compile_cache):
+  steps = ["--config.total_steps=4", "--config.checkpoint_every=2", "--config.eval_every=0"]
+  assert train(tmp_path, *steps, cache=compile_cache).returncode == 0
+  before = sorted(os.listdir(tmp_path / "checkpoints"))
+  metrics = (tmp_path / "metrics.jsonl").read_text()
+
+  proc = train(tmp_path, *steps, "--config.model.width=48")
+  assert proc.returncode == 2
+  [line] = proc.stderr.strip().splitlines()
+  assert "holds a run of another model: model.width is 32 in its checkpoint step 4 and 48" \
+      in line and "use a new --workdir" in line, line
+  proc = train(tmp_path, *steps, "--config.model.family=hawk")
+  assert proc.returncode == 2 and "model.family is 'griffin'" in proc.stderr, proc.stderr
+  proc = train(tmp_path, *steps, "--config.optimizer.grad_clip_norm=0")
+  assert proc.returncode == 2
+  [line] = proc.stderr.strip().splitlines()
+  assert "another optimizer state: optimizer.grad_clip_norm is 1.0" in line, line
+  assert f"--config.init_from={tmp_path / 'checkpoints' / '4'}" in line
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == before  # nothing renamed
+  assert (tmp_path / "metrics.jsonl").read_text() == metrics  # nothing written
+
+  # Settings that keep the shapes resume, with one line listing what changed.
+  proc = train(tmp_path, "--config.total_steps=6", "--config.checkpoint_every=2",
+               "--config.eval_every=0", "--config.optimizer.learning_rate=0.002",
+               "--config.model.remat=block", cache=compile_cache)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  [line] = [l for l in proc.stdout.splitlines() if "changed settings" in l]
+  assert "model.remat 'none' -> 'block'" in line and "optimizer.learning_rate" in line
+  assert "total_steps 4 -> 6" in line
+  assert saved_steps(tmp_path)[-1] == 6
+
+
+# --- a save that cannot be written --------------------------------------------------------------
+
+def test_a_checkpoint_that_cannot_be_written_stops_with_one_line_and_keeps_the_last(
+    tmp_path, compile_cache):
+  steps = ["--config.checkpoint_every=2", "--config.eval_every=0"]
+  assert train(tmp_path, "--config.total_steps=2", *steps, cache=compile_cache).returncode == 0
+
+  def small_files():  # a file-size limit below one optimizer-state file
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+
+  proc = train(tmp_path, "--config.total_steps=6", *steps, preexec_fn=small_files)
+  assert proc.returncode == 2
+  [line] = proc.stderr.strip().splitlines()
+  assert line.startswith(f"error: could not write checkpoint step 4 in {tmp_path}/checkpoints"
+                         ) and "File too large" in line and line.endswith(
+                             "the latest checkpoint is step 2"), line
+  assert saved_steps(tmp_path) == [2]
+  # Without the limit, the run resumes from step 2 and finishes.
+  proc = train(tmp_path, "--config.total_steps=6", *steps, cache=compile_cache)
+  assert proc.returncode == 0 and "resuming from" in proc.stdout, proc.stderr[-2000:]
+  assert saved_steps(tmp_path)[-1] == 6
+  assert_quiet(proc)
+
+
+# --- quiet exits --------------------------------------------------------------------------------
+
+def test_exits_are_quiet(tmp_path, compile_cache):
+  done = train(tmp_path / "a", "--config.total_steps=3", "--config.eval_every=2",
+               cache=compile_cache)
+  assert done.returncode == 0
+  assert_quiet(done)
+  user_error = train(tmp_path / "a", "--config.total_steps=3", "--config.model.width=64")
+  assert user_error.returncode == 2
+  assert_quiet(user_error)
+  run = Started(train_cmd(tmp_path / "b", "--config.total_steps=100000",
+                          "--config.log_every=1", "--config.eval_every=0"), env(compile_cache))
+  assert run.wait_for("step 2/")
+  run.proc.send_signal(signal.SIGTERM)
+  output = run.output()
+  assert run.proc.returncode == 0
+  assert not any(n in output for n in NOISE), output[-3000:]
+
+
+# --- preemption across processes ----------------------------------------------------------------
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(tmp_path, compile_cache):
+  address = f"localhost:{_free_port()}"
+  procs = []
+  for i in range(2):
+    e = env(compile_cache)
+    e.update(JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
+    procs.append(Started(train_cmd(tmp_path, "--config.total_steps=100000",
+                                   "--config.log_every=1", "--config.eval_every=0",
+                                   "--config.checkpoint_every=100000"), e))
+  assert procs[0].wait_for("step 3/")
+  procs[1].proc.send_signal(signal.SIGTERM)  # only the second process is signalled
+  outputs = [p.output() for p in procs]
+  assert [p.proc.returncode for p in procs] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+  [step] = saved_steps(tmp_path)
+  assert f"stopped by signal 15 after saving step {step}" in outputs[0]
+  assert step >= 3
+  saved = json.loads((tmp_path / "checkpoints" / str(step) / "data" / "metadata").read_text())
+  assert saved  # the data position of that step was written
+
+
+# --- fault injection ----------------------------------------------------------------------------
+
+FAULT_STEPS = ["--config.total_steps=48", "--config.log_every=1", "--config.checkpoint_every=3",
+               "--config.eval_every=5", "--config.keep_checkpoints=2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, compile_cache):
+  """The reference run, and how long it trains (from its model line to its exit)."""
+  workdir = tmp_path_factory.mktemp("uninterrupted")
+  run = Started(train_cmd(workdir, *FAULT_STEPS), env(compile_cache))
+  assert run.wait_for(" of 48")
+  started = time.time()
+  output = run.output()
+  assert run.proc.returncode == 0, output[-2000:]
+  return workdir, time.time() - started
+
+
+def _assert_same_run(workdir, reference):
+  got, want = records(workdir), records(reference)
+  losses = [r["step"] for r in got if "loss" in r]
+  assert losses == list(range(1, 49)), losses  # every step logged exactly once
+  assert {r["step"]: r["loss"] for r in got if "loss" in r} == {
+      r["step"]: r["loss"] for r in want if "loss" in r}  # bitwise equal losses
+  evals = [r["step"] for r in got if "eval_loss" in r]
+  assert evals == [5, 10, 15, 20, 25, 30, 35, 40, 45, 48], evals
+  assert saved_steps(workdir)[-1] == 48
+  a, b = final_params(workdir, 48), final_params(reference, 48)
+  import jax  # pylint: disable=g-import-not-at-top
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.slow  # ~4 minutes on 2 CPU cores: 20+ restarts of about 8 s each (cached compiles)
+def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(
+    tmp_path, compile_cache, uninterrupted):
+  reference, duration = uninterrupted
+  rng = random.Random(0)
+  kills, resumed = 0, 0
+  while kills < 20:
+    run = Started(train_cmd(tmp_path, *FAULT_STEPS), env(compile_cache))
+    if not run.wait_for(" of 48"):  # the model line: restored or initialised
+      break
+    # Kill at a random moment of the next twelfth of the run: a step, an asynchronous save,
+    # its commit, the metrics write, an evaluation, the final wait.
+    time.sleep(rng.uniform(0.0, duration / 12))
+    if run.proc.poll() is not None:
+      break
+    run.proc.kill()
+    output = run.output()
+    kills += 1
+    resumed += "resuming from" in output
+  final = train(tmp_path, *FAULT_STEPS, cache=compile_cache)
+  assert final.returncode == 0, final.stderr[-2000:]
+  assert kills >= 20 and resumed >= 10, (kills, resumed)
+  _assert_same_run(tmp_path, reference)
+
+
+@pytest.mark.slow  # ~2 minutes: 8 restarts
+def test_sigterm_at_random_moments_saves_that_step_and_exits_zero(
+    tmp_path, compile_cache, uninterrupted):
+  reference, duration = uninterrupted
+  rng = random.Random(1)
+  for _ in range(8):
+    run = Started(train_cmd(tmp_path, *FAULT_STEPS), env(compile_cache))
+    if not run.wait_for(" of 48"):
+      break
+    time.sleep(rng.uniform(0.0, duration / 6))
+    run.proc.send_signal(signal.SIGTERM)
+    output = run.output()
+    assert run.proc.returncode == 0, output[-3000:]
+    assert not any(n in output for n in NOISE), output[-3000:]
+    if "after saving step" in output:
+      step = int(output.split("after saving step ")[1].split()[0])
+      assert saved_steps(tmp_path)[-1] == step  # a checkpoint of that very step
+  final = train(tmp_path, *FAULT_STEPS, cache=compile_cache)
+  assert final.returncode == 0, final.stderr[-2000:]
+  _assert_same_run(tmp_path, reference)
