@@ -27,6 +27,7 @@ setuptools.setup(
         "einops>=0.8",
         "numpy>=1.26",
         "sentencepiece>=0.2",
+        "safetensors>=0.4",  # transformers checkpoints (recurrentgemma_jax/hf.py), NumPy API
         "pyarrow>=15",
         "tensorboardX>=2.6",
         "matplotlib>=3.7",

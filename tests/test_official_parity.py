@@ -1,5 +1,7 @@
 """Official RecurrentGemma checkpoints give the official per-token NLL through our importer
-and evaluator (float32), for patterns starting with recurrence and with attention."""
+and evaluator (float32), for patterns starting with recurrence and with attention; so do they
+after an export to the transformers format and an import back (tests/data/hf/
+official_export.py checks that export in transformers itself)."""
 
 
 import jax
@@ -13,7 +15,7 @@ from helpers import run_script
 rg = pytest.importorskip("recurrentgemma.jax", reason="the official package is a test dependency")
 
 
-def _official_model_and_params(block_types, seed):
+def official_model_and_params(block_types, seed):
   config = rg.GriffinConfig(
       vocab_size=101, width=48, mlp_expanded_width=80, num_heads=4, lru_width=64,
       block_types=tuple(block_types), embeddings_scale_by_sqrt_dim=True,
@@ -29,9 +31,14 @@ def _official_model_and_params(block_types, seed):
   return model, jax.tree.unflatten(treedef, leaves)
 
 
-def _official_nll(model, params, tokens):
+def official_logits(model, params, tokens):
   segment_pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
   logits, _ = model.apply({"params": params}, tokens, segment_pos, return_cache=False)
+  return logits
+
+
+def _official_nll(model, params, tokens):
+  logits = official_logits(model, params, tokens)
   logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
   return -np.asarray(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0])
 
@@ -40,20 +47,25 @@ def _official_nll(model, params, tokens):
 def test_imported_checkpoint_matches_official_nll(tmp_path, pattern):
   block_types = [{"R": rg.TemporalBlockType.RECURRENT,
                   "A": rg.TemporalBlockType.ATTENTION}[c] for c in pattern]
-  model, params = _official_model_and_params(block_types, seed=len(tmp_path.name))
+  model, params = official_model_and_params(block_types, seed=len(tmp_path.name))
   src, dst = tmp_path / "official", tmp_path / "imported"
   ocp.PyTreeCheckpointer().save(str(src), params)  # the bare tree, as distributed
 
   run_script("import_recurrentgemma.py", f"--src={src}", f"--dst={dst}",
              "--attention_window_size=5")
+  # Through the transformers format and back.
+  exported, again = tmp_path / "hf", tmp_path / "reimported"
+  run_script("export_hf.py", f"--checkpoint={dst}", f"--dst={exported}")
+  run_script("import_recurrentgemma.py", f"--src={exported}", f"--dst={again}")
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, 101, size=(3, 17)).astype(np.int32)  # 17 > window of 5
   np.save(tmp_path / "tokens.npy", tokens)
-  proc = run_script("evaluate.py", f"--checkpoint={dst}", f"--tokens={tmp_path / 'tokens.npy'}",
-                    f"--nll_out={tmp_path / 'nll.npy'}", "--batch_size=2")
-  assert "perplexity" in proc.stdout
-
-  ours = np.load(tmp_path / "nll.npy")
-  assert ours.shape == (3, 16) and ours.dtype == np.float32
   official = _official_nll(model, params, jnp.asarray(tokens))
-  np.testing.assert_allclose(ours, official, atol=1e-5, rtol=1e-5)
+  for path in (dst, again):
+    proc = run_script("evaluate.py", f"--checkpoint={path}",
+                      f"--tokens={tmp_path / 'tokens.npy'}", f"--nll_out={tmp_path / 'nll.npy'}",
+                      "--batch_size=2")
+    assert "perplexity" in proc.stdout
+    ours = np.load(tmp_path / "nll.npy")
+    assert ours.shape == (3, 16) and ours.dtype == np.float32
+    np.testing.assert_allclose(ours, official, atol=1e-5, rtol=1e-5, err_msg=str(path))
