@@ -61,7 +61,7 @@ def test_imported_official_checkpoint_reproduces_official_greedy_continuation(tm
   import sentencepiece as spm
   from helpers import run_script
   from recurrentgemma_jax import checkpoint
-  from test_official_parity import _official_model_and_params
+  from test_official_parity import official_model_and_params
 
   text = tmp_path / "corpus.txt"
   text.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog {i * 7}"
@@ -70,7 +70,7 @@ def test_imported_official_checkpoint_reproduces_official_greedy_continuation(tm
       input=str(text), model_prefix=str(tmp_path / "sp"), vocab_size=101, pad_id=0, eos_id=1,
       bos_id=2, unk_id=3, minloglevel=2)
   vocab = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
-  model, params = _official_model_and_params(
+  model, params = official_model_and_params(
       [rg.TemporalBlockType.RECURRENT, rg.TemporalBlockType.ATTENTION], seed=11)
   ocp.PyTreeCheckpointer().save(str(tmp_path / "official"), params)
   run_script("import_recurrentgemma.py", f"--src={tmp_path / 'official'}",

@@ -89,14 +89,14 @@ def test_fine_tuning_starts_from_an_imported_official_checkpoint(tmp_path):
   import orbax.checkpoint as ocp
   import sentencepiece as spm
   from recurrentgemma_jax import checkpoint, configlib, data, train
-  from test_official_parity import _official_model_and_params
+  from test_official_parity import official_model_and_params
 
   corpus = tmp_path / "corpus.txt"
   corpus.write_text("\n".join(f"line {i}: the cat sat on the mat {i % 7}" for i in range(300)))
   spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"),
                                  vocab_size=101, pad_id=0, eos_id=1, bos_id=2, unk_id=3,
                                  hard_vocab_limit=False, minloglevel=2)
-  _, params = _official_model_and_params(
+  _, params = official_model_and_params(
       [rg.TemporalBlockType.RECURRENT, rg.TemporalBlockType.ATTENTION], seed=5)
   ocp.PyTreeCheckpointer().save(str(tmp_path / "official"), params)
   run_script("import_recurrentgemma.py", f"--src={tmp_path / 'official'}",
