@@ -135,6 +135,23 @@ def test_synthetic_experiment_script_trains_evaluates_beyond_training_length(tmp
     assert json.load(f) == first
 
 
+def test_official_model_control_trains_on_the_synthetic_rows(tmp_path):
+  # scripts/synthetic_official.py: the official recurrentgemma Griffin, our optimizer and rows.
+  import json
+  from helpers import run_script
+  run_script("synthetic_official.py", "--tiny", "--task=induction_heads", "--model=griffin",
+             f"--out={tmp_path}", "--eval_rows=8")
+  with open(tmp_path / "metrics.jsonl") as f:
+    records = [json.loads(line) for line in f]
+  losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+  accuracy = {r["step"]: r["eval_accuracy"] for r in records if "eval_accuracy" in r}
+  assert sorted(losses) == sorted(accuracy) == [3, 6]
+  # Untrained: about log(vocabulary) per answer token (5 special ids + 16 symbols), chance-level
+  # accuracy.
+  assert all(abs(v - np.log(21)) < 1.5 for v in losses.values()), losses
+  assert all(0.0 <= a <= 0.5 for a in accuracy.values()), accuracy
+
+
 def test_decode_benchmark_script_times_every_family(tmp_path):
   import json
   from helpers import run_script

@@ -1,0 +1,131 @@
+"""A control for `scripts/synthetic.py`: trains the *official* RecurrentGemma model code
+(``recurrentgemma.jax.Griffin``: its own initialisation and forward pass) on the same synthetic
+rows, with the same optimizer and schedule (``train.make_optimizer``), loss and held-out
+accuracy. Where our model and the official one learn alike, a result is the recipe's, not a
+defect of our model.
+
+  python scripts/synthetic_official.py --task selective_copying --model hawk --out DIR \
+      [--steps N] [--time_limit SECONDS] [--eval_rows 256] [--tiny] \
+      [--config.FIELD=VALUE ...]   (fields of configs/synthetic.py, as for train.py)
+
+Writes ``DIR/metrics.jsonl``: ``{"step", "loss"}`` every ``log_every`` steps and
+``{"step", "eval_accuracy"}`` every ``eval_every`` steps. The official package is installed
+with ``pip install --no-deps recurrentgemma==1.0.1``.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from recurrentgemma_jax import configlib, train  # pylint: disable=g-import-not-at-top
+from recurrentgemma_jax.data import synthetic  # pylint: disable=g-import-not-at-top
+from synthetic import MODELS, TASKS  # pylint: disable=g-import-not-at-top
+
+
+def official_model(config):
+  import recurrentgemma.jax as rg  # pylint: disable=g-import-not-at-top
+  kinds = {"recurrent": rg.TemporalBlockType.RECURRENT,
+           "attention": rg.TemporalBlockType.ATTENTION,
+           "global_attention": rg.TemporalBlockType.ATTENTION}
+  m = config.model
+  names = m.block_types.split(",")
+  # The official code has local attention only; a window of the whole row is global attention.
+  window = config.seq_len if "global_attention" in names else m.attention_window_size
+  cfg = rg.GriffinConfig(
+      vocab_size=synthetic.FIRST_SYMBOL + config.data.synthetic.vocab_size, width=m.width,
+      mlp_expanded_width=m.mlp_expanded_width, num_heads=m.num_heads, lru_width=m.lru_width,
+      block_types=tuple(kinds[n] for n in names), attention_window_size=window,
+      embeddings_scale_by_sqrt_dim=m.embeddings_scale_by_sqrt_dim,
+      logits_soft_cap=m.logits_soft_cap or None, scan_type=rg.ScanType.LINEAR_NATIVE)
+  return rg.Griffin(cfg, param_dtype=jnp.float32, dtype=jnp.float32)
+
+
+def batch_of(config, split, seed, start, count, length):
+  ds = synthetic.rows(config, split=split, seed=seed, length=length, process_index=0,
+                      process_count=1)
+  rows = [ds[i] for i in range(start, start + count)]
+  tokens = np.stack([r["tokens"] for r in rows])
+  mask = np.stack([r["answer_mask"] for r in rows])
+  return tokens[:, :-1], tokens[:, 1:], mask[:, 1:].astype(np.float32)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--task", choices=TASKS, required=True)
+  parser.add_argument("--model", choices=sorted(MODELS), required=True)
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--steps", type=int)
+  parser.add_argument("--time_limit", type=float, default=0.0)
+  parser.add_argument("--eval_rows", type=int, default=256)
+  parser.add_argument("--tiny", action="store_true", help="a CPU check: short rows, few steps")
+  args, rest = parser.parse_known_args(argv)
+  overrides = [f"--config.model.block_types={MODELS[args.model]}"]
+  if args.tiny:
+    overrides += ["--config.seq_len=32", "--config.data.synthetic.num_tokens_to_copy=4",
+                  "--config.batch_size=4", "--config.total_steps=6", "--config.eval_every=3",
+                  "--config.log_every=3", "--config.model.attention_window_size=16"]
+  if args.steps:
+    overrides.append(f"--config.total_steps={args.steps}")
+  config = configlib.load(os.path.join(ROOT, "configs", "synthetic.py") + f":{args.task}")
+  configlib.override(config, overrides + rest)
+  model = official_model(config)
+  seq = config.seq_len
+  positions = jnp.arange(seq)[None]
+  params = model.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, seq), jnp.int32),
+                      positions, return_cache=False)["params"]
+  tx, _ = train.make_optimizer(config.optimizer, config.total_steps)
+  opt_state = tx.init(params)
+
+  def loss_fn(p, inputs, targets, mask):
+    logits, _ = model.apply({"params": p}, inputs, jnp.broadcast_to(positions, inputs.shape),
+                            return_cache=False)
+    total, count = train.masked_cross_entropy(logits, targets, mask)
+    return total / jnp.maximum(count, 1.0)
+
+  @jax.jit
+  def step(p, s, inputs, targets, mask):
+    loss, grads = jax.value_and_grad(loss_fn)(p, inputs, targets, mask)
+    updates, s = tx.update(grads, s, p)
+    return jax.tree.map(jnp.add, p, updates), s, loss
+
+  @jax.jit
+  def correct(p, inputs, targets, mask):
+    logits, _ = model.apply({"params": p}, inputs, jnp.broadcast_to(positions, inputs.shape),
+                            return_cache=False)
+    return jnp.sum((jnp.argmax(logits, -1) == targets) * mask), jnp.sum(mask)
+
+  os.makedirs(args.out, exist_ok=True)
+  bs, start = config.batch_size, time.time()
+  eval_bs = min(args.eval_rows, 64)
+  with open(os.path.join(args.out, "metrics.jsonl"), "w") as log:
+    for i in range(1, config.total_steps + 1):
+      batch = batch_of(config, 0, config.seed, (i - 1) * bs, bs, seq)
+      params, opt_state, loss = step(params, opt_state, *batch)
+      if i % config.log_every == 0:
+        log.write(json.dumps({"step": i, "loss": float(loss)}) + "\n")
+      if i % config.eval_every == 0 or i == config.total_steps:
+        hits = total = 0.0
+        for s0 in range(0, args.eval_rows, eval_bs):
+          h, t = correct(params, *batch_of(config, 1, 1234, s0, eval_bs, seq))
+          hits, total = hits + float(h), total + float(t)
+        log.write(json.dumps({"step": i, "eval_accuracy": hits / total}) + "\n")
+        log.flush()
+        print(f"step {i}: loss {float(loss):.4f}, held-out accuracy {hits / total:.3f}",
+              flush=True)
+      if args.time_limit and time.time() - start > args.time_limit:
+        print(f"time limit: stopped after step {i}", flush=True)
+        break
+
+
+if __name__ == "__main__":
+  main()
