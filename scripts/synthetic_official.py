@@ -5,11 +5,13 @@ accuracy. Where our model and the official one learn alike, a result is the reci
 defect of our model.
 
   python scripts/synthetic_official.py --task selective_copying --model hawk --out DIR \
-      [--steps N] [--time_limit SECONDS] [--eval_rows 256] [--tiny] \
+      [--steps N] [--time_limit SECONDS] [--eval_rows 256] [--lengths L1,L2,...] [--tiny] \
       [--config.FIELD=VALUE ...]   (fields of configs/synthetic.py, as for train.py)
 
-Writes ``DIR/metrics.jsonl``: ``{"step", "loss"}`` every ``log_every`` steps and
-``{"step", "eval_accuracy"}`` every ``eval_every`` steps. The official package is installed
+Writes ``DIR/metrics.jsonl``: ``{"step", "loss"}`` every ``log_every`` steps,
+``{"step", "eval_accuracy"}`` every ``eval_every`` steps and, at the end,
+``{"step", "accuracy_at_length": {L: accuracy}}`` for the ``--lengths`` (default: the training
+length). The official package is installed
 with ``pip install --no-deps recurrentgemma==1.0.1``.
 """
 
@@ -67,6 +69,7 @@ def main(argv=None):
   parser.add_argument("--steps", type=int)
   parser.add_argument("--time_limit", type=float, default=0.0)
   parser.add_argument("--eval_rows", type=int, default=256)
+  parser.add_argument("--lengths", default="", help="evaluation lengths at the end, L1,L2,...")
   parser.add_argument("--tiny", action="store_true", help="a CPU check: short rows, few steps")
   args, rest = parser.parse_known_args(argv)
   overrides = [f"--config.model.block_types={MODELS[args.model]}"]
@@ -80,16 +83,19 @@ def main(argv=None):
   configlib.override(config, overrides + rest)
   model = official_model(config)
   seq = config.seq_len
-  positions = jnp.arange(seq)[None]
+  lengths = [int(n) for n in args.lengths.split(",") if n] or [seq]
+
+  def forward(p, inputs):
+    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
+    return model.apply({"params": p}, inputs, positions, return_cache=False)[0]
+
   params = model.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, seq), jnp.int32),
-                      positions, return_cache=False)["params"]
+                      jnp.arange(seq)[None], return_cache=False)["params"]
   tx, _ = train.make_optimizer(config.optimizer, config.total_steps)
   opt_state = tx.init(params)
 
   def loss_fn(p, inputs, targets, mask):
-    logits, _ = model.apply({"params": p}, inputs, jnp.broadcast_to(positions, inputs.shape),
-                            return_cache=False)
-    total, count = train.masked_cross_entropy(logits, targets, mask)
+    total, count = train.masked_cross_entropy(forward(p, inputs), targets, mask)
     return total / jnp.maximum(count, 1.0)
 
   @jax.jit
@@ -100,31 +106,36 @@ def main(argv=None):
 
   @jax.jit
   def correct(p, inputs, targets, mask):
-    logits, _ = model.apply({"params": p}, inputs, jnp.broadcast_to(positions, inputs.shape),
-                            return_cache=False)
-    return jnp.sum((jnp.argmax(logits, -1) == targets) * mask), jnp.sum(mask)
+    return jnp.sum((jnp.argmax(forward(p, inputs), -1) == targets) * mask), jnp.sum(mask)
+
+  def accuracy(length):
+    rows_per_batch = max(1, min(args.eval_rows, 64, 32 * 1024 // length))
+    hits = total = 0.0
+    for s0 in range(0, args.eval_rows, rows_per_batch):
+      h, t = correct(params, *batch_of(config, 1, 1234, s0, rows_per_batch, length))
+      hits, total = hits + float(h), total + float(t)
+    return hits / total
 
   os.makedirs(args.out, exist_ok=True)
   bs, start = config.batch_size, time.time()
-  eval_bs = min(args.eval_rows, 64)
   with open(os.path.join(args.out, "metrics.jsonl"), "w") as log:
+    i = 0
     for i in range(1, config.total_steps + 1):
       batch = batch_of(config, 0, config.seed, (i - 1) * bs, bs, seq)
       params, opt_state, loss = step(params, opt_state, *batch)
       if i % config.log_every == 0:
         log.write(json.dumps({"step": i, "loss": float(loss)}) + "\n")
       if i % config.eval_every == 0 or i == config.total_steps:
-        hits = total = 0.0
-        for s0 in range(0, args.eval_rows, eval_bs):
-          h, t = correct(params, *batch_of(config, 1, 1234, s0, eval_bs, seq))
-          hits, total = hits + float(h), total + float(t)
-        log.write(json.dumps({"step": i, "eval_accuracy": hits / total}) + "\n")
+        acc = accuracy(seq)
+        log.write(json.dumps({"step": i, "eval_accuracy": acc}) + "\n")
         log.flush()
-        print(f"step {i}: loss {float(loss):.4f}, held-out accuracy {hits / total:.3f}",
-              flush=True)
+        print(f"step {i}: loss {float(loss):.4f}, held-out accuracy {acc:.3f}", flush=True)
       if args.time_limit and time.time() - start > args.time_limit:
         print(f"time limit: stopped after step {i}", flush=True)
         break
+    at_length = {n: accuracy(n) for n in lengths}
+    log.write(json.dumps({"step": i, "accuracy_at_length": at_length}) + "\n")
+    print(f"step {i}: " + ", ".join(f"L={n} {a:.3f}" for n, a in at_length.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -140,7 +140,7 @@ def test_official_model_control_trains_on_the_synthetic_rows(tmp_path):
   import json
   from helpers import run_script
   run_script("synthetic_official.py", "--tiny", "--task=induction_heads", "--model=griffin",
-             f"--out={tmp_path}", "--eval_rows=8")
+             f"--out={tmp_path}", "--eval_rows=8", "--lengths=32,64")
   with open(tmp_path / "metrics.jsonl") as f:
     records = [json.loads(line) for line in f]
   losses = {r["step"]: r["loss"] for r in records if "loss" in r}
@@ -150,6 +150,7 @@ def test_official_model_control_trains_on_the_synthetic_rows(tmp_path):
   # accuracy.
   assert all(abs(v - np.log(21)) < 1.5 for v in losses.values()), losses
   assert all(0.0 <= a <= 0.5 for a in accuracy.values()), accuracy
+  assert records[-1]["step"] == 6 and list(records[-1]["accuracy_at_length"]) == ["32", "64"]
 
 
 def test_decode_benchmark_script_times_every_family(tmp_path):
