@@ -6,7 +6,7 @@ import os
 import stat
 import subprocess
 
-from helpers import ROOT
+from helpers import ROOT, script_env
 
 
 def test_tpu_pod_launcher_issues_the_documented_commands(tmp_path):
@@ -54,8 +54,7 @@ def _launch(tmp_path, *train_args):
   fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$*" >> {log}\n'
                   'if [[ " $* " == *" describe "* ]]; then echo v5litepod-4; fi\n')
   fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-  env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}", JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
+  env = script_env(PATH=f"{fake.parent}:{os.environ['PATH']}")
   env.pop("SKIP_COMPILE_CHECK", None)
   proc = subprocess.run(
       ["bash", os.path.join(ROOT, "scripts", "launch_tpu_pod.sh"), "my-pod", "us-central2-b",

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, script_env
 
 # A model that compiles in seconds; one block of each kind in the default griffin pattern.
 TINY = ["--config.model.width=32", "--config.model.lru_width=32", "--config.model.num_layers=3",
@@ -35,8 +35,7 @@ def compile_cache(tmp_path_factory):
 
 
 def env(cache=None):
-  e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-  e.pop("XLA_FLAGS", None)
+  e = script_env()
   if cache:
     e.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
@@ -307,48 +306,65 @@ def _assert_same_run(workdir, reference):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.slow  # ~4 minutes on 2 CPU cores: 20+ restarts of about 8 s each (cached compiles)
+def _interrupt_at_random_moments(tmp_path, cache, reference, duration, rng, interrupt,
+                                 count=20):
+  """Starts the fault run, ``interrupt(run, workdir)``s it at a uniformly random moment of the
+  next twelfth of its uninterrupted training time, and restarts it, ``count`` times. A workdir
+  whose run completed between interruptions is checked against ``reference`` and the next
+  interruptions go to a fresh one; the last is run to its end and checked too."""
+  def finish(workdir):  # the same command once more: it completes what is left (an evaluation)
+    final = train(workdir, *FAULT_STEPS, cache=cache)
+    assert final.returncode == 0, final.stderr[-2000:]
+    _assert_same_run(workdir, reference)
+
+  workdir, done = tmp_path / "run0", 0
+  interrupted = 0
+  while interrupted < count:
+    if os.path.isdir(workdir / "checkpoints") and saved_steps(workdir)[-1:] == [48]:
+      finish(workdir)
+      done += 1
+      workdir = tmp_path / f"run{done}"
+    run = Started(train_cmd(workdir, *FAULT_STEPS), env(cache))
+    assert run.wait_for(" of 48"), run.output()[-3000:]  # the model line: restored or new
+    time.sleep(rng.uniform(0.0, duration / 12))
+    if run.proc.poll() is not None:  # it finished first: nothing to interrupt
+      assert run.output() and run.proc.returncode == 0
+      continue
+    interrupt(run, workdir)
+    interrupted += 1
+  finish(workdir)
+
+
+@pytest.mark.slow  # ~3 minutes on 2 CPU cores: 20 restarts of about 8 s each (cached compiles)
 def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(
     tmp_path, compile_cache, uninterrupted):
-  reference, duration = uninterrupted
-  rng = random.Random(0)
-  kills, resumed = 0, 0
-  while kills < 20:
-    run = Started(train_cmd(tmp_path, *FAULT_STEPS), env(compile_cache))
-    if not run.wait_for(" of 48"):  # the model line: restored or initialised
-      break
-    # Kill at a random moment of the next twelfth of the run: a step, an asynchronous save,
-    # its commit, the metrics write, an evaluation, the final wait.
-    time.sleep(rng.uniform(0.0, duration / 12))
-    if run.proc.poll() is not None:
-      break
+  # Killed in a step, an asynchronous save, its commit, the metrics write, an evaluation or the
+  # final wait; every resume must continue the same run.
+  resumed = []
+
+  def kill(run, workdir):
     run.proc.kill()
-    output = run.output()
-    kills += 1
-    resumed += "resuming from" in output
-  final = train(tmp_path, *FAULT_STEPS, cache=compile_cache)
-  assert final.returncode == 0, final.stderr[-2000:]
-  assert kills >= 20 and resumed >= 10, (kills, resumed)
-  _assert_same_run(tmp_path, reference)
+    resumed.append("resuming from" in run.output())
+
+  _interrupt_at_random_moments(tmp_path, compile_cache, *uninterrupted, random.Random(0), kill)
+  assert sum(resumed) >= 10, resumed
 
 
-@pytest.mark.slow  # ~2 minutes: 8 restarts
+@pytest.mark.slow  # ~3 minutes: 20 restarts
 def test_sigterm_at_random_moments_saves_that_step_and_exits_zero(
     tmp_path, compile_cache, uninterrupted):
-  reference, duration = uninterrupted
-  rng = random.Random(1)
-  for _ in range(8):
-    run = Started(train_cmd(tmp_path, *FAULT_STEPS), env(compile_cache))
-    if not run.wait_for(" of 48"):
-      break
-    time.sleep(rng.uniform(0.0, duration / 6))
+  saved = []
+
+  def terminate(run, workdir):
     run.proc.send_signal(signal.SIGTERM)
     output = run.output()
     assert run.proc.returncode == 0, output[-3000:]
     assert not any(n in output for n in NOISE), output[-3000:]
     if "after saving step" in output:
       step = int(output.split("after saving step ")[1].split()[0])
-      assert saved_steps(tmp_path)[-1] == step  # a checkpoint of that very step
-  final = train(tmp_path, *FAULT_STEPS, cache=compile_cache)
-  assert final.returncode == 0, final.stderr[-2000:]
-  _assert_same_run(tmp_path, reference)
+      assert saved_steps(workdir)[-1] == step  # a checkpoint of that very step
+      saved.append(step)
+
+  _interrupt_at_random_moments(tmp_path, compile_cache, *uninterrupted, random.Random(1),
+                               terminate)
+  assert len(saved) >= 10, saved
