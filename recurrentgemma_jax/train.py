@@ -73,8 +73,18 @@ def make_optimizer(opt: ml_collections.ConfigDict, total_steps: int):
 
 
 def masked_cross_entropy(logits, targets, mask):
-  """Sum of the token losses where ``mask`` is 1, and the number of such tokens."""
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+  """Sum of the token losses where ``mask`` is 1, and the number of such tokens.
+
+  The target's logit is picked by comparing the targets with an iota, not gathered: the
+  gradient is then one elementwise pass over the logits (softmax minus one-hot), which XLA fuses
+  with the cast back to the output layer's dtype. (A gather's gradient is a scatter into a
+  float32 ``[B, T, V]`` array, written, scattered into and cast in three passes.)
+  """
+  logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+  is_target = targets[..., None] == jax.lax.broadcasted_iota(targets.dtype, logits.shape,
+                                                             logits.ndim - 1)
+  target_logit = jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
+  losses = jax.nn.logsumexp(logits, axis=-1) - target_logit
   return jnp.sum(losses * mask), jnp.sum(mask)
 
 
