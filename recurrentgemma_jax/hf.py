@@ -521,8 +521,8 @@ def read_checkpoint_params(path: str) -> tuple[model_lib.ModelConfig, dict, dict
   if problem:
     raise CheckpointError(f"checkpoint {path!r} cannot be exported to transformers: {problem}")
   # Settings that change no parameter shape, set so that any machine can build the model.
-  cfg = dataclasses.replace(cfg, attention_impl="xla", gate_impl="xla", norm_impl="xla",
-                            fused_rg_lru="false", scan_impl="auto")
+  cfg = dataclasses.replace(cfg, attention_impl="xla", gate_impl="xla", fused_rg_lru="false",
+                            scan_impl="auto")
   abstract = nnx.state(nnx.eval_shape(lambda: model_lib.init_model(cfg)))
   tree = nnx.to_pure_dict(checkpoint.restore_params(path, abstract, cfg=cfg))
   tree = jax.tree.map(np.asarray, tree)

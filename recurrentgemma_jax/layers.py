@@ -58,21 +58,11 @@ class RMSNorm(nnx.Module):
   """``x / rms(x) * (1 + scale)``, computed in float32 whatever the activation dtype."""
 
   def __init__(self, width: int, *, param_dtype=jnp.float32, axis_name: str = "embed",
-               eps: float = 1e-6, impl: str = "xla"):
+               eps: float = 1e-6):
     self.eps = eps
-    # xla | pallas (pallas_kernels.norm: Triton, interpreted on a CPU; a TPU takes XLA's).
-    self.impl = impl
     self.scale = zeros((width,), param_dtype, (axis_name,))
 
   def __call__(self, x: Float[Array, "*b d"]) -> Float[Array, "*b d"]:
-    platform = dispatch.target_platform()
-    if self.impl == "pallas" and platform != "tpu" and x.dtype in (jnp.float32, jnp.bfloat16):
-      from pallas_kernels import norm  # pylint: disable=g-import-not-at-top
-      if norm.supported(x.shape[-1]):
-        # Per device under a mesh: rows split over ``batch``, the normalised axis never split.
-        rows = ("batch",) + (None,) * (x.ndim - 1)
-        fn = functools.partial(norm.rms_norm, eps=self.eps, interpret=platform != "gpu")
-        return partitioning.shard_local(fn, (rows, (None,)), rows)(x, self.scale.value)
     acc = accumulation_dtype(x.dtype)
     x32 = x.astype(acc)
     var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)

@@ -102,7 +102,6 @@ class ModelConfig:
   attention_impl: str = "auto"          # auto | xla | cudnn (NVIDIA GPUs) | splash (TPUs)
   fused_rg_lru: str = "auto"            # auto | true | false: the RG-LRU layer as one fused kernel
   gate_impl: str = "auto"               # auto | xla | pallas: the RG-LRU's block-diagonal gate matmuls
-  norm_impl: str = "auto"               # auto | xla | pallas: the residual blocks' and final RMSNorm
   remat: str = "none"
   scan_layers: str = "auto"  # auto | true | false: layers as one lax.scan (auto: with remat)
 
@@ -172,12 +171,6 @@ class ModelConfig:
     if self.gate_impl != "auto":
       return self.gate_impl
     return "pallas" if dispatch.target_platform() == "gpu" else "xla"
-
-  @property
-  def resolved_norm_impl(self) -> str:
-    """``auto``: XLA's fusions (the Triton RMSNorm, ``pallas_kernels.norm``, is measured against
-    them in docs/performance.md and taken only where set)."""
-    return "xla" if self.norm_impl == "auto" else self.norm_impl
 
   @property
   def layers_scanned(self) -> bool:
@@ -268,8 +261,6 @@ class ModelConfig:
                  f"{'|'.join(FUSED_RG_LRU)}")
     if self.gate_impl not in GATE_IMPLS:
       out.append(f"model.gate_impl={self.gate_impl!r} is not one of {'|'.join(GATE_IMPLS)}")
-    if self.norm_impl not in GATE_IMPLS:
-      out.append(f"model.norm_impl={self.norm_impl!r} is not one of {'|'.join(GATE_IMPLS)}")
     if self.scan_impl not in ("auto", "pallas", "xla_linear", "xla_associative"):
       out.append(f"model.scan_impl={self.scan_impl!r} is not one of "
                  "auto|pallas|xla_linear|xla_associative")
@@ -343,10 +334,9 @@ class ResidualBlock(nnx.Module):
   def __init__(self, block_type: str, cfg: ModelConfig, *, rngs: nnx.Rngs):
     kw = dict(param_dtype=DTYPES[cfg.param_dtype], dtype=DTYPES[cfg.dtype])
     self.block_type = block_type
-    norm = dict(param_dtype=kw["param_dtype"], impl=cfg.resolved_norm_impl)
-    self.temporal_pre_norm = layers.RMSNorm(cfg.width, **norm)
+    self.temporal_pre_norm = layers.RMSNorm(cfg.width, param_dtype=kw["param_dtype"])
     setattr(self, TEMPORAL_NAMES[block_type], make_temporal_block(block_type, cfg, rngs, **kw))
-    self.channel_pre_norm = layers.RMSNorm(cfg.width, **norm)
+    self.channel_pre_norm = layers.RMSNorm(cfg.width, param_dtype=kw["param_dtype"])
     self.mlp_block = MLPBlock(cfg.width, cfg.resolved_mlp_width, rngs=rngs,
                               final_init_scale=2.0 / cfg.num_layers, **kw)
 
@@ -530,8 +520,7 @@ def tail_layers(cfg: ModelConfig) -> range:
 
 
 def _final_norm(cfg: ModelConfig) -> layers.RMSNorm:
-  return layers.RMSNorm(cfg.width, param_dtype=DTYPES[cfg.param_dtype],
-                        impl=cfg.resolved_norm_impl)
+  return layers.RMSNorm(cfg.width, param_dtype=DTYPES[cfg.param_dtype])
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Model:
