@@ -172,6 +172,20 @@ def test_decode_benchmark_script_times_every_family(tmp_path):
   assert all(best[r["family"]]["tokens_per_sec"] >= r["tokens_per_sec"] for r in results["runs"])
   table = (tmp_path / "decode.md").read_text()
   assert "| mqa | 8 |" in table and "1.00x" in table
+  # Every row has its floor, the bound it hits and the fraction reached; the plots are written.
+  for r in results["latency"] + results["runs"]:
+    assert r["floor_s"] > 0 and r["bound"] in ("memory", "compute") and r["bytes_per_step"] > 0
+  assert results["copy_ceiling_bytes_per_s"] > 0 and (tmp_path / "decode.png").stat().st_size
+  assert "% of memory |" in table or "% of compute |" in table
+  # A memory budget smaller than any batch's program: every batch counts as out of memory.
+  budget = tmp_path / "budget"
+  run_script("bench/bench_decode.py", "--tiny", f"--out={budget}", "--vocab_size=64",
+             "--new_tokens=8", "--prefill=none", "--families=hawk", "--batches=2,4",
+             "--repeats=1", "--hbm_budget_gb=0.00001")
+  with open(budget / "decode.json") as f:
+    results = json.load(f)
+  assert results["throughput"] == [] and [r["batch"] for r in results["runs"]] == [2]
+  assert "over the 1e-05 GiB budget" in results["runs"][0]["status"]
 
 
 @pytest.mark.parametrize("family", ["mqa", "griffin"])

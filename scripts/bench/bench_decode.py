@@ -3,7 +3,8 @@ paper's Fig. 1(b) and Fig. 4 protocol), with random weights of a given preset si
 
   python scripts/bench/bench_decode.py --out DIR [--size 1.3b] [--families mqa,hawk,griffin]
       [--new_tokens 512,1024,2048,4096] [--latency_batch 16] [--prefill 0,4096 | none]
-      [--batches 16,32,...] [--max_batch 4096] [--repeats 3] [--deadline S] [--tiny]
+      [--batches 16,32,...] [--max_batch 4096] [--hbm_budget_gb G] [--repeats 3]
+      [--deadline S] [--tiny]
 
 - Latency: batch ``--latency_batch``, a prompt of 1 token ("empty") or ``--prefill`` tokens,
   time to prefill and sample each ``--new_tokens`` count (``--prefill none``: skipped).
@@ -11,6 +12,18 @@ paper's Fig. 1(b) and Fig. 4 protocol), with random weights of a given preset si
   (default: doubling from ``--latency_batch`` up to ``--max_batch``) until the device runs out
   of memory; the best sampled tokens/s is reported. The MQA baseline decodes through its own KV
   cache.
+
+- ``--hbm_budget_gb G``: in the throughput search, a batch whose compiled program (weights, caches, logits, temporaries:
+  ``memory_analysis``) needs more than G GiB counts as out of memory, as on a device of that
+  size (the Griffin paper's TPU v5e has 16 GB); it is compiled, not run.
+- Every row has its roofline: per decoding step, the FLOPs (``flops.forward_flops_per_token`` at
+  each position's number of keys, times the batch) over the device's peak, and the bytes (every
+  weight once, plus each row's KV cache as far as it is filled (attention layers; a local
+  window reads at most its window) or its recurrent and Conv1D state, read and written) over
+  the copy ceiling measured in the same run (a jitted ``x + 1`` over 1 GiB: bytes read plus
+  written). The larger of the two, summed over the steps (and the prefill), is the floor; the
+  row shows which bound it is ("memory" or "compute") and the fraction of it reached. Logits
+  and sampling are not in the floor.
 
 Each timing is the median of ``--repeats`` runs of the decode loop compiled ahead of time
 (``sampling.compiled_sampler``: compilation is not timed and the loop is not run an extra time to
@@ -40,6 +53,8 @@ def main():
   parser.add_argument("--latency_batch", type=int, default=16)
   parser.add_argument("--max_batch", type=int, default=4096)
   parser.add_argument("--batches", default="", help="throughput batch sizes (default: doubling)")
+  parser.add_argument("--hbm_budget_gb", type=float, default=0,
+                      help="treat a batch needing more than this many GiB as out of memory")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--deadline", type=float, default=0, help="seconds; 0: none")
   parser.add_argument("--tiny", action="store_true", help="tiny models, for a CPU check")
@@ -48,7 +63,8 @@ def main():
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from recurrentgemma_jax import model as model_lib  # pylint: disable=g-import-not-at-top
-  from recurrentgemma_jax import presets, sampling  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from recurrentgemma_jax import flops, presets, sampling  # pylint: disable=g-import-not-at-top
 
   os.makedirs(args.out, exist_ok=True)
   new_counts = [int(n) for n in args.new_tokens.split(",")]
@@ -72,11 +88,15 @@ def main():
                                 param_dtype="bfloat16", **fields)
     return model_lib.init_model(cfg, seed=0)
 
-  def timed(model, batch, prompt_len, new):
+  def timed(model, batch, prompt_len, new, budget=0.0):
     prompts = np.random.default_rng(0).integers(3, args.vocab_size,
                                                 (batch, max(prompt_len, 1))).tolist()
     params = sampling.SamplingParams(max_new_tokens=new)
     run, run_args = sampling.compiled_sampler(model, prompts, params)
+    if budget:
+      need = compiled_gib(run)
+      if need > budget:
+        raise OverBudget(f"needs {need:.3g} GiB, over the {budget:g} GiB budget")
     times = []
     for _ in range(args.repeats):
       start = time.perf_counter()
@@ -85,21 +105,31 @@ def main():
     return statistics.median(times)
 
   def out_of_memory(e):
-    return "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in str(e)
+    return isinstance(e, OverBudget) or "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in str(e)
 
+  peak = flops.device_peak_flops() or 0.0
+  ceiling = copy_ceiling(jax, 2**30 if not args.tiny else 2**24)
   results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-             "command": " ".join(sys.argv), "out": args.out, "latency": [], "throughput": [],
-             "runs": []}
+             "command": " ".join(sys.argv), "out": args.out, "peak_flops": peak,
+             "copy_ceiling_bytes_per_s": ceiling, "hbm_budget_gb": args.hbm_budget_gb,
+             "latency": [], "throughput": [], "runs": []}
+  print(f"peak {peak / 1e12:.0f} TFLOP/s, copy ceiling {ceiling / 1e12:.2f} TB/s", flush=True)
   for family in args.families.split(","):
     model = build(family)
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+    def floor(batch, prompt_len, new, model=model, n_params=n_params):
+      return decode_floor(model.cfg, n_params, batch, max(prompt_len, 1), new, peak, ceiling)
+
     for prefill in prefills:
       for new in new_counts:
         if out_of_time():
           break
         seconds = timed(model, args.latency_batch, prefill, new)
         results["latency"].append(dict(family=family, prefill=prefill, new=new,
-                                       batch=args.latency_batch, seconds=seconds))
+                                       batch=args.latency_batch, seconds=seconds,
+                                       **floor(args.latency_batch, prefill, new)))
         print(f"latency {family} prefill={prefill} new={new}: {seconds:.3f} s", flush=True)
         write(results)
     for new in new_counts:
@@ -108,52 +138,168 @@ def main():
         if out_of_time():
           break
         try:
-          seconds = timed(model, batch, 1, new)
+          seconds = timed(model, batch, 1, new, budget=args.hbm_budget_gb)
         except Exception as e:  # pylint: disable=broad-except  (only running out of memory ends it)
           if not out_of_memory(e):
             raise
-          print(f"throughput {family} new={new} batch={batch}: out of memory", flush=True)
-          results["runs"].append(dict(family=family, new=new, batch=batch, tokens_per_sec=None))
+          why = str(e) if isinstance(e, OverBudget) else "out of memory"
+          print(f"throughput {family} new={new} batch={batch}: {why}", flush=True)
+          results["runs"].append(dict(family=family, new=new, batch=batch, tokens_per_sec=None,
+                                      status=why))
           write(results)
           break
         rate = batch * new / seconds
         print(f"throughput {family} new={new} batch={batch}: {rate:,.0f} tokens/s", flush=True)
-        results["runs"].append(dict(family=family, new=new, batch=batch, tokens_per_sec=rate))
+        results["runs"].append(dict(family=family, new=new, batch=batch, tokens_per_sec=rate,
+                                    seconds=seconds, **floor(batch, 1, new)))
         write(results)
-        if best is None or rate > best[0]:
-          best = (rate, batch)
+        if best is None or rate > best["tokens_per_sec"]:
+          best = results["runs"][-1]
       if best is not None:
-        results["throughput"].append(dict(family=family, new=new, tokens_per_sec=best[0],
-                                          batch=best[1]))
+        results["throughput"].append(dict(best))
         write(results)
     del model
   print(write(results))
 
 
+class OverBudget(Exception):
+  """A batch whose compiled program does not fit ``--hbm_budget_gb``."""
+
+
+def compiled_gib(compiled) -> float:
+  """GiB the compiled program holds on the device: arguments, outputs and temporaries."""
+  m = compiled.memory_analysis()
+  return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+          - m.alias_size_in_bytes) / 2**30
+
+
+def copy_ceiling(jax, nbytes: int, iters: int = 10) -> float:
+  """Bytes per second (read plus written) of a jitted ``x + 1`` over ``nbytes`` of bfloat16."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  x = jnp.zeros((nbytes // 2,), jnp.bfloat16)
+  add = jax.jit(lambda v: v + 1)
+  jax.block_until_ready(add(x))
+  start = time.perf_counter()
+  for _ in range(iters):
+    y = add(x)
+  jax.block_until_ready(y)
+  return 2 * nbytes * iters / (time.perf_counter() - start)
+
+
+def decode_floor(cfg, n_params: int, batch: int, prompt_len: int, new: int, peak: float,
+                 ceiling: float) -> dict:
+  """The roofline of prefilling ``prompt_len`` tokens and decoding ``new`` more, ``batch`` rows
+  (bfloat16 weights): per step the larger of its FLOPs over ``peak`` and its bytes over
+  ``ceiling``, summed. See the module docstring for what is counted."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from recurrentgemma_jax import flops  # pylint: disable=g-import-not-at-top
+  d, lru = cfg.width, cfg.resolved_lru_width
+  pos = np.arange(prompt_len, prompt_len + new, dtype=np.float64)  # each step's position
+  types = cfg.resolved_block_types
+  attention = [cfg.attention_window_size if t == "attention" else None
+               for t in types if t in ("attention", "global_attention")]
+  keys = [np.minimum(pos + 1, w + 1) if w is not None else pos + 1 for w in attention]
+  keys_total = sum(keys) + np.zeros_like(pos)  # (an array also without attention layers)
+  # FLOPs per row: every weight, plus 2 * 2 * d per key (forward_flops_per_token at length 1
+  # counts one key per attention layer).
+  flops_row = flops.forward_flops_per_token(cfg, 1) + 4 * d * (keys_total - len(keys))
+  state_bytes = 0.0  # per row, read and written each step
+  for t in types:
+    if t == "recurrent":
+      state_bytes += 2 * (4 * lru + 2 * (cfg.conv1d_temporal_width - 1) * lru)
+    elif t == "gla":
+      heads = cfg.gla_num_heads or cfg.num_heads
+      state_bytes += 2 * 4 * int(d * cfg.gla_expand_k) * int(d * cfg.gla_expand_v) / heads
+  bytes_row = state_bytes + 2 * 2 * cfg.head_dim * keys_total  # K and V, one head, bfloat16
+  weight_bytes = 2.0 * n_params
+  compute_s = batch * flops_row / peak if peak else np.zeros_like(pos)
+  memory_s = (weight_bytes + batch * bytes_row) / ceiling
+  floor_s = float(np.maximum(compute_s, memory_s).sum())
+  if prompt_len > 1:  # the prefill: one pass over the prompt
+    prefill_flops = batch * prompt_len * flops.forward_flops_per_token(cfg, prompt_len)
+    floor_s += max(prefill_flops / peak if peak else 0.0, weight_bytes / ceiling)
+  return {"floor_s": floor_s,
+          "bound": "memory" if float(memory_s.sum()) >= float(np.sum(compute_s)) else "compute",
+          "flops_per_step": float(batch * flops_row.mean()),
+          "bytes_per_step": float(weight_bytes + batch * bytes_row.mean())}
+
+
+def _fraction(r) -> str:
+  seconds = r.get("seconds")
+  return f"{100 * r['floor_s'] / seconds:.0f}% of {r['bound']}" if seconds and "floor_s" in r \
+      else "-"
+
+
+def plot(results) -> None:
+  """DIR/decode.png: Fig. 1(b) (maximum throughput against tokens decoded) and Fig. 4 (latency
+  against tokens decoded at the latency batch, empty and long prefill)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+  families = list(dict.fromkeys(r["family"] for r in results["runs"] + results["latency"]))
+  for family in families:
+    rows = sorted((r["new"], r["tokens_per_sec"]) for r in results["throughput"]
+                  if r["family"] == family)
+    if rows:
+      left.plot(*zip(*rows), marker="o", label=family)
+    for prefill in sorted({r["prefill"] for r in results["latency"]}):
+      rows = sorted((r["new"], r["seconds"]) for r in results["latency"]
+                    if r["family"] == family and r["prefill"] == prefill)
+      if rows:
+        right.plot(*zip(*rows), marker="o", linestyle="-" if prefill <= 1 else "--",
+                   label=f"{family}, prefill {prefill}")
+  budget = f", {results['hbm_budget_gb']:g} GiB budget" if results.get("hbm_budget_gb") else ""
+  left.set(xlabel="tokens decoded", ylabel="max tokens/s", title=f"Maximum throughput{budget}")
+  right.set(xlabel="tokens decoded", ylabel="seconds",
+            title=f"Latency, batch {results['latency'][0]['batch'] if results['latency'] else '-'}")
+  for ax in (left, right):
+    ax.set_xscale("log", base=2)
+    ax.grid(alpha=0.3)
+    if ax.lines:
+      ax.legend(fontsize=8)
+  fig.suptitle(f"{results['device']}, {results['date']}")
+  fig.tight_layout()
+  fig.savefig(os.path.join(results["out"], "decode.png"), dpi=100)
+  plt.close(fig)
+
+
 def write(results):
   """Writes DIR/decode.md and DIR/decode.json; returns the markdown."""
+  budget = (f"; batches needing over {results['hbm_budget_gb']:g} GiB count as out of memory"
+            if results.get("hbm_budget_gb") else "")
   lines = [f"Device {results['device']}, jax {results['jax']}, {results['date']}; "
            f"command `{results['command']}`.", "",
-           "| family | prefill | new tokens | batch | latency (s) |", "|---|---|---|---|---|"]
-  lines += [f"| {r['family']} | {r['prefill']} | {r['new']} | {r['batch']} | {r['seconds']:.3f} |"
-            for r in results["latency"]]
-  lines += ["", "| family | new tokens | best batch | max throughput (tokens/s) | vs mqa |",
-            "|---|---|---|---|---|"]
+           f"Roofline: peak {results['peak_flops'] / 1e12:.0f} TFLOP/s, copy ceiling "
+           f"{results['copy_ceiling_bytes_per_s'] / 1e12:.2f} TB/s measured in the run{budget}.",
+           "", "| family | prefill | new tokens | batch | latency (s) | floor (s) | reached |",
+           "|---|---|---|---|---|---|---|"]
+  lines += [f"| {r['family']} | {r['prefill']} | {r['new']} | {r['batch']} | {r['seconds']:.3f} "
+            f"| {r['floor_s']:.3f} | {_fraction(r)} |" for r in results["latency"]]
+  lines += ["", "| family | new tokens | best batch | max throughput (tokens/s) | vs mqa "
+            "| roofline (tokens/s) | reached |", "|---|---|---|---|---|---|---|"]
   base = {r["new"]: r["tokens_per_sec"] for r in results["throughput"] if r["family"] == "mqa"}
   for r in results["throughput"]:
     ratio = f"{r['tokens_per_sec'] / base[r['new']]:.2f}x" if r["new"] in base else ""
     lines.append(f"| {r['family']} | {r['new']} | {r['batch']} | {r['tokens_per_sec']:,.0f} | "
-                 f"{ratio} |")
-  lines += ["", "Every throughput run:", "", "| family | new tokens | batch | tokens/s |",
-            "|---|---|---|---|"]
-  lines += [f"| {r['family']} | {r['new']} | {r['batch']} | "
-            + ("out of memory" if r["tokens_per_sec"] is None else f"{r['tokens_per_sec']:,.0f}")
-            + " |" for r in results["runs"]]
+                 f"{ratio} | {r['batch'] * r['new'] / r['floor_s']:,.0f} | {_fraction(r)} |")
+  lines += ["", "Every throughput run (GFLOP and GB per decoding step, averaged over the steps):",
+            "", "| family | new tokens | batch | tokens/s | GFLOP/step | GB/step | reached |",
+            "|---|---|---|---|---|---|---|"]
+  for r in results["runs"]:
+    if r["tokens_per_sec"] is None:
+      lines.append(f"| {r['family']} | {r['new']} | {r['batch']} | {r.get('status', 'out of memory')}"
+                   " | - | - | - |")
+    else:
+      lines.append(f"| {r['family']} | {r['new']} | {r['batch']} | {r['tokens_per_sec']:,.0f} | "
+                   f"{r['flops_per_step'] / 1e9:,.0f} | {r['bytes_per_step'] / 1e9:.2f} | "
+                   f"{_fraction(r)} |")
   text = "\n".join(lines)
   with open(os.path.join(results["out"], "decode.md"), "w") as f:
     f.write(text + "\n")
   with open(os.path.join(results["out"], "decode.json"), "w") as f:
     json.dump(results, f, indent=1)
+  plot(results)
   return text
 
 
