@@ -7,15 +7,22 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # XLA's CPU backend without LLVM's optimisation passes: the tests' tiny programs compile about a
 # quarter faster, and compiling, not running, is most of the suite's time. For the scripts the
-# tests start (one device each); the test processes use level 1 (conftest.py).
+# tests start (one device each); not in the test processes themselves (conftest.py).
 FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
+# Set in the test process by jax once a test has loaded libtpu (the compile-only TPU tests). A
+# script started with them loads libtpu too, and then a run over several simulated CPU devices
+# deadlocked in XLA's all-reduce rendezvous (scripts/train.py on a 2 x 4 mesh, every time).
+_LIBTPU_VARIABLES = ("TPU_LIBRARY_PATH", "TPU_SKIP_MDS_QUERY")
 
 
 def script_env(**extra: str) -> dict:
   """The environment of a script the tests start: the CPU, one device (as on a user's laptop),
-  unbuffered output, FAST_COMPILE."""
-  return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS=FAST_COMPILE,
-              **extra)
+  unbuffered output, FAST_COMPILE, and no libtpu unless the script loads it itself."""
+  env = {k: v for k, v in os.environ.items() if k not in _LIBTPU_VARIABLES}
+  return {**env, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "XLA_FLAGS": FAST_COMPILE,
+          **extra}
 
 
 def run_script(name: str, *args: str, check: bool = True, timeout: int = 600,

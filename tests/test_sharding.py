@@ -171,9 +171,20 @@ def test_gradient_accumulation_keeps_each_devices_rows_on_it():
 
 
 def test_checkpoint_from_one_mesh_restores_on_others(tmp_path):
-  config = small_config(**{"mesh.data": 2, "mesh.model": 4, "total_steps": 2,
-                           "checkpoint_every": 2, "log_every": 1, "eval_every": 0})
-  train.run(config, str(tmp_path))
+  overrides = {"mesh.data": 2, "mesh.model": 4, "total_steps": 2, "checkpoint_every": 2,
+               "log_every": 1, "eval_every": 0}
+  config = small_config(**overrides)
+  # The run writing the checkpoint is the user's command in a process of its own (8 simulated
+  # devices). In a test worker that had loaded libtpu (the TPU compile tests), its final
+  # evaluation deadlocked in XLA's CPU all-reduce rendezvous, one device never joining.
+  flags = [f"--config.model.{k}={v}" for k, v in config.model.items()
+           if k in ("width", "lru_width", "num_layers", "num_heads", "num_gate_blocks",
+                    "mlp_expanded_width", "attention_window_size")]
+  flags += [f"--config.{k}={config[k]}" for k in ("batch_size", "seq_len")]
+  flags += ["--config.optimizer.warmup_steps=2"]
+  flags += [f"--config.{k}={v}" for k, v in overrides.items()]
+  run_script("train.py", f"--workdir={tmp_path}", *flags,
+             env={"XLA_FLAGS": os.environ["XLA_FLAGS"]})
   config.total_steps = 3
   next_losses = {}
   for mesh, devices in [((2, 4), jax.devices()), ((8, 1), jax.devices()), ((1, 1), jax.devices()[:1])]:
