@@ -581,9 +581,17 @@ def _loop(config, plan: Setup, log, compiled, checkpoints: "Checkpoints", n_para
   eval_batches = data.make_eval_batches(config, process_index=shard_index,
                                         process_count=shard_count)
 
+  # Simulated CPU devices (--xla_force_host_platform_device_count): with several evaluation
+  # steps in flight, XLA's CPU all-reduce rendezvous deadlocked (a 2 x 4 mesh on 2 cores, one
+  # device never joining), so there each batch is waited for. Accelerators keep them in flight.
+  wait_each = mesh.devices.size > 1 and mesh.devices.flat[0].platform == "cpu"
+
   def evaluate(step: int) -> dict[str, Any]:
-    sums = [eval_step(state["params"], _place(batch, batch_sh, config.batch_size))
-            for batch in eval_batches]
+    sums = []
+    for batch in eval_batches:
+      sums.append(eval_step(state["params"], _place(batch, batch_sh, config.batch_size)))
+      if wait_each:
+        jax.block_until_ready(sums[-1])
     total, count, correct = np.sum(jax.device_get(sums), axis=0)  # one host sync in all
     count = max(float(count), 1.0)
     mean = float(total) / count
