@@ -11,9 +11,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 
-# Set in the test process by jax once a test has loaded libtpu (the compile-only TPU tests). A
-# script started with them loads libtpu too, and then a run over several simulated CPU devices
-# deadlocked in XLA's all-reduce rendezvous (scripts/train.py on a 2 x 4 mesh, every time).
+# Set in the test process by jax once a test has loaded libtpu (the compile-only TPU tests); a
+# script started with them would load libtpu too, which a user's CPU run does not (and which
+# made a deadlock of simulated devices' collectives more likely: docs/reliability.md).
 _LIBTPU_VARIABLES = ("TPU_LIBRARY_PATH", "TPU_SKIP_MDS_QUERY")
 
 

@@ -174,9 +174,9 @@ def test_checkpoint_from_one_mesh_restores_on_others(tmp_path):
   overrides = {"mesh.data": 2, "mesh.model": 4, "total_steps": 2, "checkpoint_every": 2,
                "log_every": 1, "eval_every": 0}
   config = small_config(**overrides)
-  # The run writing the checkpoint is the user's command in a process of its own (8 simulated
-  # devices). In a test worker that had loaded libtpu (the TPU compile tests), its final
-  # evaluation deadlocked in XLA's CPU all-reduce rendezvous, one device never joining.
+  # The run writing the checkpoint is the user's command, in a process of its own with 8
+  # simulated devices (its evaluation over both mesh axes once deadlocked in XLA's CPU
+  # rendezvous: docs/reliability.md).
   flags = [f"--config.model.{k}={v}" for k, v in config.model.items()
            if k in ("width", "lru_width", "num_layers", "num_heads", "num_gate_blocks",
                     "mlp_expanded_width", "attention_window_size")]
