@@ -232,6 +232,14 @@ class Memory:
   needed: int | None = None     # a program that did not compile: what the compiler asked for
   available: int | None = None  # ... and what it had
 
+  @classmethod
+  def of(cls, compiled) -> "Memory":
+    """The memory of a compiled program (``jax.jit(f).lower(...).compile()``)."""
+    stats = compiled.memory_analysis()
+    return cls(stats.argument_size_in_bytes, stats.output_size_in_bytes,
+               stats.alias_size_in_bytes, stats.temp_size_in_bytes,
+               stats.generated_code_size_in_bytes)
+
   @property
   def total(self) -> int:
     if self.needed is not None:
@@ -290,11 +298,7 @@ def _compile(lowered) -> Program:
           break
       return Program(None, memory, elapsed, first_line(e, 400), out_of_memory=True)
     return Program(None, Memory(), elapsed, first_line(e, 400))
-  stats = compiled.memory_analysis()
-  memory = Memory(stats.argument_size_in_bytes, stats.output_size_in_bytes,
-                  stats.alias_size_in_bytes, stats.temp_size_in_bytes,
-                  stats.generated_code_size_in_bytes)
-  return Program(compiled, memory, time.perf_counter() - started)
+  return Program(compiled, Memory.of(compiled), time.perf_counter() - started)
 
 
 def abstract_batch(config: ml_collections.ConfigDict, sharding, *, seq_len: int | None = None):

@@ -13,9 +13,9 @@ paper's Fig. 1(b) and Fig. 4 protocol), with random weights of a given preset si
   of memory; the best sampled tokens/s is reported. The MQA baseline decodes through its own KV
   cache.
 
-- ``--hbm_budget_gb G``: in the throughput search, a batch whose compiled program (weights, caches, logits, temporaries:
-  ``memory_analysis``) needs more than G GiB counts as out of memory, as on a device of that
-  size (the Griffin paper's TPU v5e has 16 GB); it is compiled, not run.
+- ``--hbm_budget_gb G``: in the throughput search, a batch whose compiled program (weights,
+  caches, logits, temporaries: ``aot.Memory``) needs more than G GiB counts as out of memory, as
+  on a device of that size (the Griffin paper's TPU v5e has 16 GB); it is compiled, not run.
 - Every row has its roofline: per decoding step, the FLOPs (``flops.forward_flops_per_token`` at
   each position's number of keys, times the batch) over the device's peak, and the bytes (every
   weight once, plus each row's KV cache as far as it is filled (attention layers; a local
@@ -64,7 +64,7 @@ def main():
   import numpy as np  # pylint: disable=g-import-not-at-top
   from recurrentgemma_jax import model as model_lib  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  from recurrentgemma_jax import flops, presets, sampling  # pylint: disable=g-import-not-at-top
+  from recurrentgemma_jax import aot, flops, presets, sampling  # pylint: disable=g-import-not-at-top
 
   os.makedirs(args.out, exist_ok=True)
   new_counts = [int(n) for n in args.new_tokens.split(",")]
@@ -94,7 +94,7 @@ def main():
     params = sampling.SamplingParams(max_new_tokens=new)
     run, run_args = sampling.compiled_sampler(model, prompts, params)
     if budget:
-      need = compiled_gib(run)
+      need = aot.Memory.of(run).total / 2**30
       if need > budget:
         raise OverBudget(f"needs {need:.3g} GiB, over the {budget:g} GiB budget")
     times = []
@@ -164,13 +164,6 @@ def main():
 
 class OverBudget(Exception):
   """A batch whose compiled program does not fit ``--hbm_budget_gb``."""
-
-
-def compiled_gib(compiled) -> float:
-  """GiB the compiled program holds on the device: arguments, outputs and temporaries."""
-  m = compiled.memory_analysis()
-  return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-          - m.alias_size_in_bytes) / 2**30
 
 
 def copy_ceiling(jax, nbytes: int, iters: int = 10) -> float:

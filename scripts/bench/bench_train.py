@@ -21,8 +21,9 @@ run, then ``--steps`` steps are dispatched back to back and timed together up to
 ``jax.block_until_ready`` of the last state, three times; the step time is the median of the
 three means. This is how ``train.py`` runs (it waits for the device only every ``log_every``
 steps); the median of ``--steps`` steps each timed to ``block_until_ready`` is reported beside
-it (``step_blocked_s``: it adds the host's dispatch and wait to every step). MFU = ``flops.train_flops_per_token`` (6 x matmul parameters + causal
-attention within the window, per token) x tokens/s / ``flops.device_peak_flops`` ("-" where the
+it (``step_blocked_s``: it adds the host's dispatch and wait to every step). MFU =
+``flops.train_flops_per_token`` (6 x matmul parameters + causal attention within the window,
+per token) x tokens/s / ``flops.device_peak_flops`` ("-" where the
 peak is unknown, e.g. CPU). A row that runs out of device memory reads "OOM"; the sweep goes on.
 The parameters of a family and size are made once and carried across its sequence lengths.
 
@@ -303,7 +304,8 @@ class Bench:
     return state, {"compile_s": compile_s, "trace_s": trace_s,
                    "step_s": statistics.median(window_means),
                    "step_blocked_s": statistics.median(times),
-                   "step_times_s": times, "window_means_s": window_means, "loss": loss, "memory_gib": memory}
+                   "step_times_s": times, "window_means_s": window_means, "loss": loss,
+                   "memory_gib": memory}
 
   def profile(self, compiled, state, batch, name, steps=2):
     """Traces ``steps`` more steps; writes OUT/profile_<name>.md and prints its first lines."""
