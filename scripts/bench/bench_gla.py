@@ -9,14 +9,17 @@ back-to-back calls divided by the batch size (device time, host dispatch overlap
 flash-linear-attention (fla.ops.gla.chunk_gla, if importable), of triton.testing.do_bench's CUDA
 events. `--intra` times chunk_gla's GPU path once per listed variant (see set_variant: "fact",
 the default, gla.gpu's five kernels; "xla", gla.gpu_xla; options for warps, state tiles and
-stages, prefetch), one column each;
-`--check` checks every variant. A variant that fails (say, to compile) is reported in the
-notes and the run goes on; a misspelt one stops the run before anything is timed. Writes
-DIR/bench_gla.md (a markdown table with ratios) and DIR/bench_gla.json.
+stages, prefetch, unrolling, chunk size, ...), one column each; `--check` checks every variant
+in bfloat16 at Dh 64 (and once in float32 at Dh 48, which takes gla.gpu_xla whatever the
+variant). cuDNN is timed first for each shape, whatever `--deadline` says (which stops the
+variants and fla). A variant that fails (say, to compile) is reported in the notes and the run
+goes on; a misspelt one stops the run before anything is timed. Writes DIR/bench_gla.md (a
+markdown table with ratios) and DIR/bench_gla.json.
 """
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import sys
@@ -58,11 +61,12 @@ def _time_jax(f, args, reps):
 
 
 def _gla_fns():
-  fwd = jax.jit(lambda q, k, v, g: chunk_gla(q, k, v, g)[0])
+  gla = functools.partial(chunk_gla, chunk_size=CHUNK)
+  fwd = jax.jit(lambda q, k, v, g: gla(q, k, v, g)[0])
 
   @jax.jit
   def fwd_bwd(q, k, v, g, do):
-    o, vjp = jax.vjp(lambda *a: chunk_gla(*a)[0], q, k, v, g)
+    o, vjp = jax.vjp(lambda *a: gla(*a)[0], q, k, v, g)
     return o, vjp(do)
   return fwd, fwd_bwd
 
@@ -104,55 +108,81 @@ def _time_fla(shape, reps):
   return fwd, bench(fwd_bwd)
 
 
+# chunk_gla's chunk_size in the timed and checked calls (set_variant's "cN").
+CHUNK = 64
+
+
 def set_variant(variant):
-  """A variant of chunk_gla's GPU path: "fact[-wN][-sbN][-stN][-spN][-pf]" (gla_gpu_fact, the
-  default: N warps per per-chunk program, N-wide state tiles, N pipeline stages in the state
-  kernels, N-wide column blocks of the per-chunk kernels, the state kernels' next tiles
-  prefetched) or "xla" (gla.gpu_xla)."""
+  """A variant of chunk_gla's GPU path: "xla" (gla.gpu_xla) or "fact[-OPTION...]" (gla.gpu, the
+  default; no option: the code as it is). Options of "fact":
+
+  - wN: N warps per per-chunk program; dqwN: N warps for the dq/dk kernel alone;
+  - sbN: N-wide state tiles; stN: N pipeline stages in the state kernels; pf: the state
+    kernels' next tiles prefetched by hand; uN: N chunks per step of the state kernels' loop
+    (STATE_UNROLL; not with pf);
+  - spN: N-wide column blocks of the per-chunk kernels;
+  - v1: the dq/dk kernel reads v and do once per program where V fits one V_STEP (V_ONCE;
+    otherwise once per product over V);
+  - xa: each per-chunk kernel as a factorised pass and an exact pass for the chunks past
+    LIMIT (EXACT_APART; 8 Triton kernels instead of 5);
+  - cN: chunks of N tokens (chunk_gla's chunk_size, 64 otherwise; for both "fact" and "xla").
+  """
+  global CHUNK
   name, *opts = variant.split("-")
   if name not in ("fact", "xla"):
     raise ValueError(f"unknown variant {variant!r}: fact or xla")
   dispatch.GLA_GPU_IMPL = name
-  gla_gpu_fact.NUM_WARPS = None
-  gla_gpu_fact.STATE_BLOCK = None
-  gla_gpu_fact.STATE_PREFETCH = False
-  gla_gpu_fact.STATE_STAGES = 3
-  gla_gpu_fact.SPLIT = None
+  fact = gla_gpu_fact
+  fact.NUM_WARPS = fact.DQK_WARPS = fact.STATE_BLOCK = fact.SPLIT = None
+  fact.STATE_PREFETCH = fact.V_ONCE = fact.EXACT_APART = False
+  fact.STATE_STAGES, fact.STATE_UNROLL, CHUNK = 3, 1, 64
+  numeric = {"w": "NUM_WARPS", "dqw": "DQK_WARPS", "sb": "STATE_BLOCK", "st": "STATE_STAGES",
+             "sp": "SPLIT", "u": "STATE_UNROLL"}
+  flags = {"pf": "STATE_PREFETCH", "v1": "V_ONCE", "xa": "EXACT_APART"}
   for opt in opts:
-    if opt.startswith("w") and opt[1:].isdigit() and name == "fact":
-      gla_gpu_fact.NUM_WARPS = int(opt[1:])
-    elif opt.startswith("sb") and opt[2:].isdigit() and name == "fact":
-      gla_gpu_fact.STATE_BLOCK = int(opt[2:])
-    elif opt.startswith("st") and opt[2:].isdigit() and name == "fact":
-      gla_gpu_fact.STATE_STAGES = int(opt[2:])
-    elif opt.startswith("sp") and opt[2:].isdigit() and name == "fact":
-      gla_gpu_fact.SPLIT = int(opt[2:])
-    elif opt == "pf" and name == "fact":
-      gla_gpu_fact.STATE_PREFETCH = True
+    key = opt.rstrip("0123456789")
+    if opt.startswith("c") and opt[1:].isdigit():
+      CHUNK = int(opt[1:])
+    elif name == "fact" and key in numeric and opt != key:
+      setattr(fact, numeric[key], int(opt[len(key):]))
+    elif name == "fact" and opt in flags:
+      setattr(fact, flags[opt], True)
     else:
       raise ValueError(f"unknown option {opt!r} in {variant!r}")
+  if fact.STATE_PREFETCH and fact.STATE_UNROLL > 1:
+    raise ValueError(f"{variant!r}: uN and pf do not combine")
 
 
-def check(out_lines, intra="xla"):
-  """Our kernel against the float32 reference on the GPU, values and gradients."""
+_REFERENCE = {}  # (dtype, shape) -> the reference's o and gradients, the same for every variant
+
+
+def check(out_lines, intra="xla", float32=True):
+  """Our kernel against the float32 reference on the GPU, values and gradients (float32 at K =
+  V = 48, which takes gla.gpu_xla whatever the variant, only if float32)."""
   set_variant(intra)
-  for dtype, shape in ((jnp.float32, (2, 1000, 4, 48)), (jnp.bfloat16, (2, 4096, 4, 64))):
-    b, t, h, d = shape
+  cases = ((jnp.float32, (2, 1000, 4, 48)),) if float32 else ()
+  for dtype, shape in cases + ((jnp.bfloat16, (2, 4096, 4, 64)),):
     q, k, v, g, do = (x.astype(dtype) for x in _inputs(shape, seed=1))
     g = g.astype(jnp.float32)
     rel = lambda a, r: float(jnp.linalg.norm((a.astype(jnp.float32) - r).ravel())
                              / jnp.linalg.norm(r.ravel()))
     f32 = lambda xs: [x.astype(jnp.float32) for x in xs]
-    loss = lambda fn: (lambda *a: jnp.sum(fn(*a)[0].astype(jnp.float32) * do.astype(
-        jnp.float32)))
-    ours = jax.jit(jax.value_and_grad(loss(chunk_gla), argnums=(0, 1, 2, 3)))(q, k, v, g)
-    ref = jax.jit(jax.value_and_grad(loss(gla_reference), argnums=(0, 1, 2, 3)))(
-        *f32((q, k, v, g)))
+
+    def grads(fn, *args):
+      def loss(*a):
+        o = fn(*a)[0]
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
+      (_, o), ds = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(*args)
+      return o, ds
+
+    ours = grads(lambda *a: chunk_gla(*a, chunk_size=CHUNK), q, k, v, g)
+    key = (jnp.dtype(dtype).name, shape)
+    if key not in _REFERENCE:
+      _REFERENCE[key] = grads(gla_reference, *f32((q, k, v, g)))
+    ref = _REFERENCE[key]
     errs = [rel(a, r) for a, r in zip(ours[1], ref[1])]
-    o1 = jax.jit(lambda *a: chunk_gla(*a)[0])(q, k, v, g)
-    o2 = jax.jit(lambda *a: gla_reference(*a)[0])(*f32((q, k, v, g)))
     line = (f"check intra={intra} {jnp.dtype(dtype).name} {shape}: "
-            f"o rel err {rel(o1, o2):.2e}; "
+            f"o rel err {rel(ours[0], ref[0]):.2e}; "
             f"dq dk dv dlog_g rel err {' '.join(f'{e:.2e}' for e in errs)}")
     print(line, flush=True)
     out_lines.append(line)
@@ -166,10 +196,11 @@ def main():
   ap.add_argument("--check", action="store_true", help="compare with the reference first")
   ap.add_argument("--no_fla", action="store_true")
   ap.add_argument("--intra", default="fact",
-                  help="comma-separated variants of the GPU path to time: fact[-wN][-sbN], xla, "
-                       "pallas[-wN][-kp]")
+                  help="comma-separated variants of the GPU path to time, e.g. fact, fact-v1, "
+                       "fact-c128-w8, xla (set_variant)")
   ap.add_argument("--deadline", type=float, default=1e9,
-                  help="seconds after which no new measurement starts (the table still gets written)")
+                  help="seconds after which no new measurement but cuDNN's starts (the table "
+                       "still gets written)")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   shapes = ([tuple(map(int, s.split(","))) for s in args.shapes] if args.shapes else SHAPES)
@@ -178,9 +209,9 @@ def main():
     set_variant(intra)
   notes = []
   if args.check:
-    for intra in intras:
+    for i, intra in enumerate(intras):
       try:
-        check(notes, intra)
+        check(notes, intra, float32=i == 0)
       except Exception as e:  # pylint: disable=broad-except
         notes.append(f"check intra={intra} FAILED: {type(e).__name__}: {str(e)[:2000]}")
         print(notes[-1], flush=True)
@@ -191,6 +222,10 @@ def main():
   for shape in shapes:
     q, k, v, g, do = _inputs(shape)
     r = {"shape": shape, "fla_fwd": None, "fla_fb": None, "gla": {}}
+    # cuDNN first and whatever the deadline: every row keeps the reference of its ratios.
+    same_dims = k.shape[-1] == v.shape[-1]
+    r["att_fwd"] = _time_jax(att_fwd, (q, k, v), args.reps) if same_dims else None
+    r["att_fb"] = _time_jax(att_fb, (q, k, v, do), args.reps) if same_dims else None
     for intra in intras:
       set_variant(intra)  # read when the jitted functions are traced (first call)
       gla_fwd, gla_fb = _gla_fns()
@@ -203,9 +238,6 @@ def main():
         notes.append(f"{shape} intra={intra} FAILED: {type(e).__name__}: {str(e)[:2000]}")
         print(notes[-1], flush=True)
     r["gla_fwd"], r["gla_fb"] = r["gla"][intras[0]]
-    same_dims = k.shape[-1] == v.shape[-1]
-    r["att_fwd"] = timed(_time_jax, att_fwd, (q, k, v), args.reps) if same_dims else None
-    r["att_fb"] = timed(_time_jax, att_fb, (q, k, v, do), args.reps) if same_dims else None
     rows.append(r)
     print(r, flush=True)
     _write_table(rows, notes, args.out, intras)

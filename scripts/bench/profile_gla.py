@@ -19,7 +19,6 @@ import jax  # pylint: disable=g-import-not-at-top
 
 import bench_gla  # pylint: disable=g-import-not-at-top
 import profile_summary  # pylint: disable=g-import-not-at-top
-from pallas_kernels.gla import chunk_gla  # pylint: disable=g-import-not-at-top
 
 
 def main():
@@ -32,11 +31,8 @@ def main():
   args = ap.parse_args()
   bench_gla.set_variant(args.variant)
   q, k, v, g, do = bench_gla._inputs(tuple(map(int, args.shape.split(","))))  # pylint: disable=protected-access
-  if args.fwd_only:
-    fn, xs = jax.jit(lambda q, k, v, g: chunk_gla(q, k, v, g)[0]), (q, k, v, g)
-  else:
-    fn = jax.jit(lambda q, k, v, g, do: jax.vjp(lambda *a: chunk_gla(*a)[0], q, k, v, g)[1](do))
-    xs = (q, k, v, g, do)
+  fwd, fwd_bwd = bench_gla._gla_fns()  # pylint: disable=protected-access
+  fn, xs = (fwd, (q, k, v, g)) if args.fwd_only else (fwd_bwd, (q, k, v, g, do))
   jax.block_until_ready(fn(*xs))
   out = tempfile.mkdtemp()
   with jax.profiler.trace(out, create_perfetto_trace=True):
