@@ -1,0 +1,191 @@
+"""scripts/scaling_curves.py: the corpus it builds from installed packages, and its runs, which
+stop at --time_limit and resume where they stopped."""
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import time
+
+import pytest
+
+from helpers import run_script
+from test_errors import load_script
+from test_train import TINY
+
+scaling = load_script("scaling_curves")
+
+
+def fake_site_packages(root):
+  """Two source folders: 30 modules, and the files the corpus must leave out or take once."""
+  first, second = root / "site-packages", root / "user-site"
+  (first / "pkg" / "__pycache__").mkdir(parents=True)
+  (second / "pkg").mkdir(parents=True)
+  for i in range(30):
+    body = "".join(f"def f{j}(x):\n  return x * {i} + {j}  # module {i}\n\n" for j in range(80))
+    (first / "pkg" / f"mod{i}.py").write_text(body)
+  (first / "pkg" / "__init__.py").write_text("")  # empty
+  (first / "pkg" / "__pycache__" / "cached.py").write_text("x = 1\n")
+  (first / "pkg" / "latin1.py").write_bytes(b"name = '\xe9t\xe9'\n")  # not UTF-8
+  (first / "pkg" / "big.py").write_text("x = 1\n" * 3000)  # 18 KB: over --max_file_kb=16
+  (first / "pkg" / "notes.txt").write_text("not python\n")
+  os.symlink("mod0.py", first / "pkg" / "z_alias.py")  # mod0, reached again
+  (second / "pkg" / "mod1.py").write_text("shadowed = True\n")  # same relative path as mod1
+  (second / "extra.py").write_text("print('only here')\n")
+  return [str(first), str(second)]
+
+
+def corpus_args(sources, **changes):
+  fields = dict(source_dirs=sources, held_out=0.3, max_file_kb=16, corpus_max_mb=0,
+                piece_chars=1000)
+  return argparse.Namespace(**{**fields, **changes})
+
+
+def records(corpus, split):
+  with open(corpus / f"{split}.jsonl") as f:
+    return [json.loads(line) for line in f]
+
+
+def test_corpus_is_deterministic_whole_files_per_split_and_refuses_a_changed_one(tmp_path):
+  sources = fake_site_packages(tmp_path / "src")
+  first = scaling.build_corpus(str(tmp_path / "a"), corpus_args(sources))
+  second = scaling.build_corpus(str(tmp_path / "b"), corpus_args(sources))
+  assert first["corpus"] == second["corpus"]
+  shutil.copytree(tmp_path / "src", tmp_path / "moved", symlinks=True)  # another machine
+  moved = [str(tmp_path / "moved" / os.path.basename(d)) for d in sources]
+  assert scaling.build_corpus(str(tmp_path / "c"), corpus_args(moved))["corpus"] == \
+      first["corpus"]
+  for name in ("train.jsonl", "heldout.jsonl", "files.tsv"):
+    assert (tmp_path / "a" / "corpus" / name).read_bytes() == \
+        (tmp_path / "b" / "corpus" / name).read_bytes()
+  corpus = tmp_path / "a" / "corpus"
+  table = (corpus / "files.tsv").read_bytes()
+  assert first["corpus"]["files_tsv_sha256"] == hashlib.sha256(table).hexdigest()
+  rows = [line.split("\t") for line in table.decode().splitlines()]
+  assert sorted(r[0] for r in rows) == sorted(
+      [f"pkg/mod{i}.py" for i in range(30)] + ["extra.py"])
+  assert first["corpus"]["skipped"] == {"larger than max_file_kb": 1, "empty": 1,
+                                        "not UTF-8": 1, "unreadable": 0}
+
+  # Whole files per split: each file's pieces are in one split and put it back together.
+  texts, split_of = {}, {}
+  for split in ("train", "heldout"):
+    for r in records(corpus, split):
+      assert split_of.setdefault(r["path"], split) == split
+      assert len(r["text"]) <= 1000
+      texts[r["path"]] = texts.get(r["path"], "") + r["text"]
+  assert sorted(split_of.values()).count("heldout") == first["corpus"]["splits"]["heldout"][
+      "files"] > 0
+  assert first["corpus"]["splits"]["train"]["files"] > 0
+  for path, _, digest, split in rows:
+    assert split_of[path] == split
+    assert hashlib.sha256(texts[path].encode()).hexdigest() == digest
+  assert texts["pkg/mod1.py"].startswith("def f0")  # the first folder's file, not its shadow
+  assert first["distributions"] == [] and first["source_dirs"] == sources
+
+  # The same sources again: kept. A changed file: refused, the old corpus untouched.
+  assert scaling.build_corpus(str(tmp_path / "a"), corpus_args(sources)) == first
+  with open(os.path.join(sources[0], "pkg", "mod3.py"), "a") as f:
+    f.write("changed = True\n")
+  with pytest.raises(SystemExit, match="differs"):
+    scaling.build_corpus(str(tmp_path / "a"), corpus_args(sources))
+  assert (corpus / "files.tsv").read_bytes() == table
+
+
+def test_corpus_cap_takes_files_in_hash_order(tmp_path):
+  sources = fake_site_packages(tmp_path / "src")
+  full = scaling.build_corpus(str(tmp_path / "full"), corpus_args(sources))
+  capped = scaling.build_corpus(str(tmp_path / "cap"), corpus_args(sources, corpus_max_mb=0.02))
+  sizes = {}
+  for line in (tmp_path / "full" / "corpus" / "files.tsv").read_text().splitlines():
+    path, size, _, _ = line.split("\t")
+    sizes[path] = int(size)
+  in_order = sorted(sizes, key=lambda p: scaling.path_hash("order", p))
+  kept = [line.split("\t")[0]
+          for line in (tmp_path / "cap" / "corpus" / "files.tsv").read_text().splitlines()]
+  assert sorted(kept) == sorted(in_order[:len(kept)]) and 0 < len(kept) < len(in_order)
+  total = sum(sizes[p] for p in kept)
+  assert total <= 0.02 * 2**20 < total + sizes[in_order[len(kept)]]
+  assert capped["corpus"]["files_tsv_sha256"] != full["corpus"]["files_tsv_sha256"]
+  assert capped["corpus"]["splits"]["train"]["files"] > 0  # (another hash than the split's)
+
+
+def test_pieces_cut_at_line_ends():
+  text = "a = 1\n" * 5 + "b" * 25 + "\nc\n"
+  pieces = scaling.pieces(text, 12)
+  assert "".join(pieces) == text
+  assert pieces[:3] == ["a = 1\na = 1\n", "a = 1\na = 1\n", "a = 1\n"]
+  assert max(map(len, pieces)) == 12  # the long line is cut where it reaches 12
+  assert scaling.pieces(text, 0) == [text]
+
+
+def test_spike_ratio_over_means_after_warm_up():
+  losses = [5.0, 4.0, 3.0, 2.0, 2.0, 2.0, 4.0, 2.0, 2.0]
+  assert scaling.spike_ratio(losses, skip=3, window=1) == 2.0
+  assert scaling.spike_ratio(losses, skip=3, window=2) == 1.5  # (4 + 2) / 2 over (2 + 2) / 2
+  assert scaling.spike_ratio([3.0, 2.0, 1.0], skip=0, window=1) == 1.0
+
+
+def test_plan_matches_the_budget_with_one_model_table():
+  args = argparse.Namespace(out="/tmp/out", config_overrides=[])
+  runs = {f: scaling.plan(f, 3e15, args) for f in scaling.FAMILIES}
+  for run in runs.values():
+    assert run.config.model.width == 256 and run.config.model.num_layers == 6
+    assert abs(run.flops / 3e15 - 1) < 1e-3  # whole steps of 64 x 512 tokens
+    assert 15 < run.tokens_per_step * run.config.total_steps / run.params < 25
+  assert runs["griffin"].config.model.lru_width == 320
+  assert runs["mqa"].params < runs["griffin"].params < runs["hawk"].params
+  assert scaling.plan("griffin", 1e15, args).config.model.width == 192
+  assert scaling.plan("griffin", 1e16, args).config.model.width == 320
+
+
+@pytest.mark.slow  # ~50 s on 2 CPU cores: three invocations, three trainings of a tiny Hawk
+def test_runs_stop_at_the_time_limit_resume_and_are_reported(tmp_path):
+  sources = fake_site_packages(tmp_path / "src")
+  out = tmp_path / "out"
+  common = [f"--out={out}", f"--source_dirs={','.join(sources)}", "--held_out=0.3",
+            "--max_file_kb=16", "--families=hawk", *TINY, "--config.model.dtype=float32",
+            "--config.data.eval_tokens=512"]
+  # About 150 steps of 4 x 32 tokens, then 16 times that.
+  small, large = "4.5e09", "7.2e10"
+
+  started = time.time()
+  first = run_script("scaling_curves.py", *common, f"--budgets={small}").stdout
+  elapsed = time.time() - started
+  assert f"hawk_{small}: starting" in first and f"hawk_{small}: done" in first
+  with open(out / "runs" / f"hawk_{small}" / "metrics.jsonl") as f:
+    metrics = [json.loads(line) for line in f]
+  steps = max(m["step"] for m in metrics)
+
+  # The deadline is when the first invocation ended: the larger run (16 times the steps) trains
+  # for about as long as the smaller one trained, evaluated and was reported, and stops in the
+  # middle.
+  limit = elapsed
+  second = run_script("scaling_curves.py", *common, f"--budgets={small},{large}",
+                      f"--time_limit={limit:.1f}").stdout
+  assert f"hawk_{small}: finished" in second  # not started again
+  assert f"time limit: hawk_{large} stopped" in second, second
+  workdir = out / "runs" / f"hawk_{large}"
+  saved = max(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())
+  total = json.loads((out / "scaling_curves.json").read_text())[1]["steps"]
+  assert 0 < saved < total
+
+  third = run_script("scaling_curves.py", *common, f"--budgets={small},{large}").stdout
+  assert f"hawk_{large}: resuming at step {saved} of {total}" in third
+  log = (workdir / "train.log").read_text()
+  assert log.count("initialising") == 1 and f"resuming from {workdir}/checkpoints/{saved}" in log
+  with open(workdir / "metrics.jsonl") as f:
+    logged = [json.loads(line)["step"] for line in f if '"loss"' in line]
+  assert logged == sorted(set(logged)) and logged[-1] == total  # one run, continued
+  assert any(s <= saved for s in logged) and any(s > saved for s in logged)
+  assert json.loads((workdir / "wall_time_s.json").read_text())["launches"] == 2
+
+  rows = json.loads((out / "scaling_curves.json").read_text())
+  assert [(r["family"], r["steps"], r["steps_done"]) for r in rows] == [
+      ("hawk", steps, steps), ("hawk", total, total)]
+  assert all(r["held_out_loss"] > 0 and r["spike_ratio"] >= 1 for r in rows)
+  table = (out / "scaling_curves.md").read_text()
+  assert table.count("\n| hawk | ") == 2 and f"| hawk | {large} | 32 x 3 |" in table
+  assert "- hawk: " in table and "Order at each budget" in table
+  assert (out / "scaling_curves.png").read_bytes()[:4] == b"\x89PNG"
