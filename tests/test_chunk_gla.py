@@ -1,7 +1,5 @@
 """chunk_gla (Pallas, interpret mode on the CPU) against a float64 NumPy step-by-step recurrence."""
 
-import re
-
 import numpy as np
 import pytest
 
@@ -121,7 +119,9 @@ def test_resets_match_recurrence():
 # limit), resets, h0, T not a multiple of the chunk, K != V, T = 1, B and H > 1; column blocks
 # of 16 (SPLIT) over K and V wider than that, with resets; the state kernels with prefetching;
 # GLA 340M's head (K 128, V 256: 64-wide state tiles and 128-wide column blocks by default);
-# the dq/dk kernel's loop over V in steps narrower than V.
+# chunks of 128 (T padded to 3 chunks). Where V fits one V_STEP (every row but the last) the
+# dq/dk kernel reads v and do once for its three products; the last row takes its loop over V
+# in steps narrower than V.
 @pytest.mark.parametrize("shape, chunk, max_decay, reset_rate, limit, split", [
     ((2, 45, 2, 16, 32), 16, 1.0, 0.0, None, 64),
     ((1, 100, 2, 32, 16), 32, 3.0, 0.0, None, 64),
@@ -132,6 +132,7 @@ def test_resets_match_recurrence():
     ((1, 60, 2, 32, 64), 32, 1.0, 0.05, None, 16),
     ((2, 100, 1, 16, 32), 16, 1.0, 0.05, None, "prefetch"),
     ((1, 130, 1, 128, 256), 64, 1.0, 0.05, None, "default"),
+    ((1, 300, 1, 16, 32), 128, 0.3, 0.05, None, 64),
     ((1, 60, 2, 16, 64), 32, 1.0, 0.05, None, "v_step"),
 ])
 def test_factorised_kernels_match_recurrence(monkeypatch, shape, chunk, max_decay, reset_rate,
@@ -151,54 +152,6 @@ def test_factorised_kernels_match_recurrence(monkeypatch, shape, chunk, max_deca
     monkeypatch.setattr(gla_gpu_fact, "LIMIT", limit)
   inputs = random_inputs(sum(shape), *shape, max_decay=max_decay, reset_rate=reset_rate)
   check_against_recurrence(inputs, reset_rate > 0, platform="gpu", chunk_size=chunk)
-
-
-# gla_gpu_fact's timing options (bench_gla.set_variant): v and do read once by the dq/dk kernel
-# (and with V wider than V_STEP, where that option must not apply); the exact branch as a pass
-# of its own, with chunks on both sides of LIMIT (max decay 3: the fast pass's outputs must
-# survive the aliased exact pass) and with every chunk past it (max decay 20: without the exact
-# pass this overflows); the state loops two chunks a step over an odd number of chunks (7), and
-# three a step; all of them at once; chunks of 128 (T padded to 3 chunks, the fast branch).
-@pytest.mark.parametrize("knobs, shape, chunk, max_decay", [
-    (dict(V_ONCE=True), (1, 60, 2, 16, 32), 32, 1.0),
-    (dict(V_ONCE=True, V_STEP=16), (1, 60, 2, 16, 32), 32, 1.0),
-    (dict(EXACT_APART=True), (1, 100, 2, 32, 16), 32, 3.0),
-    (dict(EXACT_APART=True), (1, 40, 2, 16, 16), 32, 20.0),
-    (dict(STATE_UNROLL=2), (2, 100, 1, 16, 32), 16, 1.0),
-    (dict(STATE_UNROLL=3), (1, 100, 2, 16, 16), 16, 3.0),
-    (dict(V_ONCE=True, EXACT_APART=True, STATE_UNROLL=2), (1, 100, 2, 32, 16), 32, 3.0),
-    ({}, (1, 300, 1, 16, 32), 128, 0.3),
-])
-def test_timing_options_match_recurrence(monkeypatch, knobs, shape, chunk, max_decay):
-  use_gpu_impl(monkeypatch, "fact")
-  monkeypatch.setattr(gla_gpu, "gla", None)  # would fail if chunk_gla fell back to it
-  for name, value in knobs.items():
-    monkeypatch.setattr(gla_gpu_fact, name, value)
-  inputs = random_inputs(sum(shape), *shape, max_decay=max_decay, reset_rate=0.05)
-  check_against_recurrence(inputs, True, platform="gpu", chunk_size=chunk)
-
-
-def triton_kernels(text):
-  """(name, warps) of each Triton kernel call in lowered StableHLO text, in order."""
-  return [(name, int(warps)) for name, warps in re.findall(
-      r'name = "(\w+)", num_stages = \d+ : i32, num_warps = (\d+)', text)]
-
-
-# The timing options lower for CUDA: the exact passes as kernels of their own, the dq/dk
-# kernel's own warps, the unrolled state loops and v and do read once.
-@pytest.mark.parametrize("knobs, kernels", [
-    (dict(EXACT_APART=True, DQK_WARPS=8),
-     ["_states_kernel", "_output_kernel", "_output_kernel_exact", "_states_kernel",
-      "_dv_kernel", "_dv_kernel_exact", ("_dqk_kernel", 8), ("_dqk_kernel_exact", 8)]),
-    (dict(STATE_UNROLL=2, V_ONCE=True),
-     ["_states_kernel", "_output_kernel", "_states_kernel", "_dv_kernel", "_dqk_kernel"]),
-])
-def test_timing_options_lower_to_triton(monkeypatch, knobs, kernels):
-  for name, value in knobs.items():
-    monkeypatch.setattr(gla_gpu_fact, name, value)
-  text = lowered_for_cuda(lambda c, *a: gla_gpu_fact.gla(64**-0.5, c, False, *a), "bfloat16",
-                          64, True)
-  assert triton_kernels(text) == [k if isinstance(k, tuple) else (k, 4) for k in kernels]
 
 
 def test_shapes_whose_tiles_overflow_the_shared_memory_take_gla_gpu(monkeypatch):
@@ -253,8 +206,12 @@ def test_gpu_paths_bfloat16_accuracy(monkeypatch, impl):
     assert rel_err(np.asarray(got, np.float32), want) < 1e-2, name
 
 
-@pytest.mark.parametrize("dtype, dh, with_reset", [("bfloat16", 64, True), ("float32", 128, False)])
-def test_factorised_kernels_lower_to_triton(dtype, dh, with_reset):
+# With V wider than V_STEP (32) the dq/dk kernel's products loop over V.
+@pytest.mark.parametrize("dtype, dh, with_reset, v_step", [
+    ("bfloat16", 64, True, None), ("float32", 128, False, None), ("bfloat16", 64, False, 32)])
+def test_factorised_kernels_lower_to_triton(monkeypatch, dtype, dh, with_reset, v_step):
+  if v_step:
+    monkeypatch.setattr(gla_gpu_fact, "V_STEP", v_step)
   text = lowered_for_cuda(lambda c, *a: gla_gpu_fact.gla(dh**-0.5, c, False, *a), dtype, dh,
                           with_reset)
   assert text.count("@__gpu$xla.gpu.triton") == 5  # two state kernels, output, dv, dq and dk

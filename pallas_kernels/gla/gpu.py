@@ -88,22 +88,9 @@ def split(kd: int, vd: int) -> int:
 # GLA 1.3B's 256 x 512 in bfloat16 runs (with the dq/dk kernel's loop over V); in float32
 # even GLA 340M's 128 x 256 asked for 256 KiB of the 227 KiB available.
 MAX_HEAD = 256 * 512
-# Columns of V per step of the dq/dk kernel's loops over V (_sum_over_v).
+# Columns of V per step of the dq/dk kernel's loops over V (_sum_over_v). Where V fits one
+# step the kernel reads v and do once per program for its three products (_columns).
 V_STEP = 256
-# Options for timing (bench_gla.set_variant; the defaults are the measured code):
-# V_ONCE: where V fits one V_STEP, the dq/dk kernel reads v and do once per program and keeps
-# them for its three products (the form of the 17:16 acceptance run) instead of once per product.
-V_ONCE = False
-# STATE_UNROLL: chunks per iteration of the state kernels' loop (tiles of all of them loaded
-# and scaled before their state updates, giving the scheduler independent work; not with
-# STATE_PREFETCH).
-STATE_UNROLL = 1
-# DQK_WARPS: warps of the dq/dk kernel alone (None: as the other per-chunk kernels, _warps).
-DQK_WARPS = None
-# EXACT_APART: each per-chunk kernel runs twice, the factorised branch alone in every program,
-# then the exact branch alone in programs whose chunk is past LIMIT (the others return at
-# once and keep the first pass's outputs, aliased): neither pass holds both branches' registers.
-EXACT_APART = False
 
 
 def supported(kd: int, vd: int, chunk: int, dtype, interpret: bool = False) -> bool:
@@ -156,23 +143,7 @@ def _factorised(tot):
   return -jnp.min(tot) <= LIMIT
 
 
-def _branch(branch, tot, fast, exact):
-  """lax.cond per chunk ("both"), or the "fast" or "exact" branch alone (EXACT_APART)."""
-  if branch == "both":
-    return lax.cond(_factorised(tot), fast, exact)
-  return fast() if branch == "fast" else exact()
-
-
-def _per_chunk(branch, g_ref, body):
-  """body() in every program; in EXACT_APART's exact pass ("exact") only where the chunk is
-  past LIMIT (elsewhere the outputs keep the fast pass's values, aliased)."""
-  if branch == "exact":
-    pl.when(jnp.logical_not(_factorised(_gates(g_ref[...])[1])))(body)
-  else:
-    body()
-
-
-def _attention(qs, k, b, tot, keep, dt, branch):
+def _attention(qs, k, b, tot, keep, dt):
   """A [C, C] float32 (scale in qs), zero outside keep."""
   def fast():
     mid = 0.5 * tot
@@ -188,10 +159,10 @@ def _attention(qs, k, b, tot, keep, dt, branch):
 
     return lax.fori_loop(0, k.shape[0], key_row, jnp.zeros(keep.shape, F32))
 
-  return jnp.where(keep, _branch(branch, tot, fast, exact), 0.0)
+  return jnp.where(keep, lax.cond(_factorised(tot), fast, exact), 0.0)
 
 
-def _attention_grads(da, qs, k, b, tot, dt, branch):
+def _attention_grads(da, qs, k, b, tot, dt):
   """(d qs, dk, x) [C, K] float32 through A, from da = dL/dA (zero outside keep); x is these
   terms' part of q dq - k dk (d log_g's summand).
 
@@ -227,7 +198,7 @@ def _attention_grads(da, qs, k, b, tot, dt, branch):
     dqs, dk = lax.fori_loop(0, k.shape[0], key_row, (zero, zero))
     return dqs, dk, qs * dqs - k * dk
 
-  return _branch(branch, tot, fast, exact)
+  return lax.cond(_factorised(tot), fast, exact)
 
 
 def _reset_masks(rc):
@@ -256,7 +227,7 @@ def _masked(x, mask):
 # --- the sequential state kernels ---------------------------------------------------------
 
 
-def _states_kernel(*refs, c, nt, reverse, scale, has_resets, prefetch, unroll):
+def _states_kernel(*refs, c, nt, reverse, scale, has_resets, prefetch):
   if has_resets:
     x_ref, y_ref, g_ref, rc_ref, init_ref, st_ref, last_ref = refs
   else:
@@ -270,8 +241,7 @@ def _states_kernel(*refs, c, nt, reverse, scale, has_resets, prefetch, unroll):
     return (x_ref[rows, :], y_ref[rows, :], g_ref[rows, :],
             None if rc_ref is None else rc_ref[rows, :])
 
-  def prepare(tiles):
-    """(x scaled, y, decay [1, BK]) of a chunk's tiles: what its update needs but the state."""
+  def update(st, n, tiles):
     x, y, g, rc = tiles
     b, tot = _gates(g)
     decay = jnp.exp(tot)                                            # [1, BK]
@@ -283,34 +253,17 @@ def _states_kernel(*refs, c, nt, reverse, scale, has_resets, prefetch, unroll):
       sees_state, reaches_end, passes_on = _reset_masks(rc)
       x = jnp.where(sees_state if reverse else reaches_end, x, 0.0)
       decay = jnp.where(passes_on, decay, 0.0)
-    return x, y, decay
-
-  def update(st, n, prepared):
-    x, y, decay = prepared
     st_ref[n] = st.astype(st_ref.dtype)
     return st * decay + _dot(y, x, (0, 0), dt)                      # [BV, BK]
-
-  def chunks(i, st, count):
-    """count chunks from loop step i: all their tiles loaded and prepared, then the updates."""
-    steps = [i + u if u else i for u in range(count)]
-    ns = [chunk_of(j) for j in steps]
-    prepared = [prepare(load(j)) for j in steps]
-    for n, p in zip(ns, prepared):
-      st = update(st, n, p)
-    return st
 
   if prefetch:  # the next chunk's tiles are loaded before this chunk's arithmetic
     def body(i, carry):
       st, tiles = carry
       nxt = load(i + 1)
-      return update(st, chunk_of(i), prepare(tiles)), nxt
+      return update(st, chunk_of(i), tiles), nxt
     last, _ = lax.fori_loop(0, nt, body, (init_ref[...], load(0)))
   else:
-    first = (lambda j: j * unroll) if unroll > 1 else (lambda j: j)
-    last = lax.fori_loop(0, nt // unroll, lambda j, st: chunks(first(j), st, unroll),
-                         init_ref[...])
-    if nt % unroll:
-      last = chunks(nt - nt % unroll, last, nt % unroll)
+    last = lax.fori_loop(0, nt, lambda i, st: update(st, chunk_of(i), load(i)), init_ref[...])
   last_ref[...] = last
 
 
@@ -323,8 +276,7 @@ _kernel_jit = functools.partial(jax.jit, static_argnames=("c", "scale", "interpr
 
 
 def _knobs():
-  return (LIMIT, SPLIT, STATE_BLOCK, STATE_STAGES, STATE_PREFETCH, NUM_WARPS, V_STEP, V_ONCE,
-          STATE_UNROLL, DQK_WARPS, EXACT_APART)
+  return (LIMIT, SPLIT, STATE_BLOCK, STATE_STAGES, STATE_PREFETCH, NUM_WARPS, V_STEP)
 
 
 @functools.partial(jax.jit, static_argnames=("c", "reverse", "scale", "interpret", "knobs"))
@@ -336,8 +288,6 @@ def _states(x, y, g, rc, init, *, c, reverse, scale, interpret, knobs):
   chunk n; the final one is dS_0^T.
   """
   del knobs  # a cache key (see _knobs)
-  if STATE_PREFETCH and STATE_UNROLL > 1:
-    raise ValueError("gla.gpu: STATE_UNROLL > 1 needs STATE_PREFETCH off")
   bsz, tp, h, kd = x.shape
   vd = y.shape[-1]
   nt = tp // c
@@ -353,8 +303,7 @@ def _states(x, y, g, rc, init, *, c, reverse, scale, interpret, knobs):
     in_specs.append(pl.BlockSpec((None, tp, 1), lambda i, j, s: (i, 0, 0)))
     args.append(rc.reshape(bsz, tp, 1))
   kernel = functools.partial(_states_kernel, c=c, nt=nt, reverse=reverse, scale=scale,
-                             has_resets=rc is not None, prefetch=STATE_PREFETCH,
-                             unroll=STATE_UNROLL)
+                             has_resets=rc is not None, prefetch=STATE_PREFETCH)
   return pl.pallas_call(
       kernel, grid=(bsz, h, (vd // bv) * nk), in_specs=in_specs + [tile],
       out_specs=[pl.BlockSpec((None, None, nt, bv, bk),
@@ -398,29 +347,13 @@ class _Specs:
     return [self.rc.reshape(bsz, tp, 1), self.rc.reshape(bsz, tp // self.c, 1, self.c)]
 
 
-def _call(kernel, specs, grid, in_specs, out_specs, out_shape, warps, interpret, *args, **kw):
-  """pallas_call of a per-chunk kernel: once with both branches, or (EXACT_APART) a fast pass
-  and then an exact pass taking the fast pass's outputs as inputs aliased to its own."""
-  args = (*args, *specs.reset_args())
-  in_specs = in_specs + specs.resets()
-
-  def run(branch, outs=()):
-    body = functools.partial(kernel, c=specs.c, has_resets=specs.rc is not None,
-                             branch=branch, **kw)
-    if outs:  # the aliased inputs follow the kernel's own; it never reads them
-      def exact(*refs):
-        return body(*refs[:len(args)], *refs[len(args) + len(outs):])
-      exact.__name__ = f"{kernel.__name__}_exact"
-    return pl.pallas_call(
-        exact if outs else body, grid=grid,
-        in_specs=in_specs + jax.tree.leaves(out_specs)[:len(outs)], out_specs=out_specs,
-        out_shape=out_shape, input_output_aliases={len(args) + i: i for i in range(len(outs))},
-        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
-        interpret=interpret)(*args, *outs)
-
-  if not EXACT_APART:
-    return run("both")
-  return run("exact", jax.tree.leaves(run("fast")))
+def _call(kernel, specs, grid, in_specs, out_specs, out_shape, width, interpret, *args, **kw):
+  kernel = functools.partial(kernel, c=specs.c, has_resets=specs.rc is not None, **kw)
+  return pl.pallas_call(
+      kernel, grid=grid, in_specs=in_specs + specs.resets(), out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=plgpu.CompilerParams(num_warps=_warps(width), num_stages=1),
+      interpret=interpret)(*args, *specs.reset_args())
 
 
 def _warps(width):
@@ -436,21 +369,17 @@ def _split_refs(refs, n_in, has_resets):
   return ins, resets, refs[n_in + (2 if has_resets else 0):]
 
 
-def _output_kernel(*refs, scale, c, has_resets, branch):
+def _output_kernel(*refs, scale, c, has_resets):
   (q_ref, k_ref, v_ref, g_ref, st_ref), (rc_ref, rr_ref), (o_ref,) = _split_refs(
       refs, 5, has_resets)
   dt = q_ref.dtype
-
-  def body():
-    keep, sees_state, _ = _masks(rc_ref, rr_ref, c)
-    qs = q_ref[...].astype(F32) * scale
-    b, tot = _gates(g_ref[...])
-    a = _attention(qs, k_ref[...].astype(F32), b, tot, keep, dt, branch)
-    o = (_dot(_masked(qs * jnp.exp(b), sees_state), st_ref[...], (1, 1), dt)
-         + _dot(a.astype(dt), v_ref[...], (1, 0), dt))
-    o_ref[...] = o.astype(o_ref.dtype)
-
-  _per_chunk(branch, g_ref, body)
+  keep, sees_state, _ = _masks(rc_ref, rr_ref, c)
+  qs = q_ref[...].astype(F32) * scale
+  b, tot = _gates(g_ref[...])
+  a = _attention(qs, k_ref[...].astype(F32), b, tot, keep, dt)
+  o = (_dot(_masked(qs * jnp.exp(b), sees_state), st_ref[...], (1, 1), dt)
+       + _dot(a.astype(dt), v_ref[...], (1, 0), dt))
+  o_ref[...] = o.astype(o_ref.dtype)
 
 
 @_kernel_jit
@@ -464,25 +393,20 @@ def _output(q, k, v, g, rc, st, *, scale, c, interpret, knobs):
   return _call(_output_kernel, sp, (bsz, h, tp // c, vd // bv),
                [sp.tok(kd), sp.tok(kd), sp.tok(bv, True), sp.tok(kd), sp.state(bv, kd, True)],
                sp.tok(bv, True), jax.ShapeDtypeStruct((bsz, tp, h, vd), q.dtype),
-               _warps(max(kd, bv)), interpret, q, k, v, g, st, scale=scale)
+               max(kd, bv), interpret, q, k, v, g, st, scale=scale)
 
 
-def _dv_kernel(*refs, scale, c, has_resets, branch):
+def _dv_kernel(*refs, scale, c, has_resets):
   (q_ref, k_ref, g_ref, do_ref, dst_ref), (rc_ref, rr_ref), (dv_ref,) = _split_refs(
       refs, 5, has_resets)
   dt = q_ref.dtype
-
-  def body():
-    keep, _, reaches_end = _masks(rc_ref, rr_ref, c)
-    k = k_ref[...].astype(F32)
-    b, tot = _gates(g_ref[...])
-    a = _attention(q_ref[...].astype(F32) * scale, k, b, tot, keep, dt, branch)
-    k_out = _masked(jnp.exp(tot - b), reaches_end)
-    dv = (_dot(a.astype(dt), do_ref[...], (0, 0), dt)
-          + _dot(k * k_out, dst_ref[...], (1, 1), dt))
-    dv_ref[...] = dv.astype(dv_ref.dtype)
-
-  _per_chunk(branch, g_ref, body)
+  keep, _, reaches_end = _masks(rc_ref, rr_ref, c)
+  k = k_ref[...].astype(F32)
+  b, tot = _gates(g_ref[...])
+  a = _attention(q_ref[...].astype(F32) * scale, k, b, tot, keep, dt)
+  k_out = _masked(jnp.exp(tot - b), reaches_end)
+  dv = _dot(a.astype(dt), do_ref[...], (0, 0), dt) + _dot(k * k_out, dst_ref[...], (1, 1), dt)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def _sum_over_v(vd, product):
@@ -497,45 +421,40 @@ def _sum_over_v(vd, product):
   return lax.fori_loop(1, vd // step, add, first)
 
 
-def _columns(ref, once):
-  """cols -> ref[:, cols] for _sum_over_v's products: read on every call, or (once, where V
-  fits one step) read here once and the same value returned for the whole of V."""
-  if not once:
+def _columns(ref):
+  """cols -> ref[:, cols] for _sum_over_v's products: where V fits one V_STEP, ref read here
+  once and the same value returned for the whole of V (H100, (8, 2048, 16, 64) fwd+bwd
+  0.989 -> 0.897 ms against a read per product; docs/kernels.md); else read on every call."""
+  if ref.shape[1] > V_STEP:
     return lambda cols: ref[:, cols]
   x = ref[...]
   return lambda cols: x
 
 
-def _dqk_kernel(*refs, scale, c, has_resets, branch):
+def _dqk_kernel(*refs, scale, c, has_resets):
   (q_ref, k_ref, v_ref, g_ref, do_ref, st_ref, dst_ref), (rc_ref, rr_ref), (
       dq_ref, dk_ref, within_ref) = _split_refs(refs, 7, has_resets)
   dt = q_ref.dtype
-
-  def body():
-    keep, sees_state, reaches_end = _masks(rc_ref, rr_ref, c)
-    q = q_ref[...].astype(F32)
-    k = k_ref[...].astype(F32)
-    vd = v_ref.shape[1]
-    once = V_ONCE and vd <= V_STEP
-    v_at, do_at = _columns(v_ref, once), _columns(do_ref, once)
-    qs = q * scale
-    b, tot = _gates(g_ref[...])
-    da = _sum_over_v(vd, lambda cols: _dot(do_at(cols), v_at(cols), (1, 1), dt))
-    da = jnp.where(keep, da, 0.0)                                   # [C t, C u]
-    dqs, dk, x = _attention_grads(da, qs, k, b, tot, dt, branch)
-    do_st = _sum_over_v(vd, lambda cols: _dot(do_at(cols), st_ref[cols, :], (1, 0), dt))
-    dqs_in = _masked(jnp.exp(b), sees_state) * do_st
-    v_dst = _sum_over_v(vd, lambda cols: _dot(v_at(cols), dst_ref[cols, :], (1, 0), dt))
-    dk_out = _masked(jnp.exp(tot - b), reaches_end) * v_dst
-    dq = (dqs + dqs_in) * scale
-    dk += dk_out
-    x += qs * dqs_in - k * dk_out                                   # q dq - k dk: dL/d(b)
-    dq_ref[...] = dq.astype(dq_ref.dtype)
-    dk_ref[...] = dk.astype(dk_ref.dtype)
-    # Reverse cumulative sum within the chunk (the lowering has only the forward one).
-    within_ref[...] = jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x
-
-  _per_chunk(branch, g_ref, body)
+  keep, sees_state, reaches_end = _masks(rc_ref, rr_ref, c)
+  q = q_ref[...].astype(F32)
+  k = k_ref[...].astype(F32)
+  vd = v_ref.shape[1]
+  v_at, do_at = _columns(v_ref), _columns(do_ref)
+  qs = q * scale
+  b, tot = _gates(g_ref[...])
+  da = _sum_over_v(vd, lambda cols: _dot(do_at(cols), v_at(cols), (1, 1), dt))
+  dqs, dk, x = _attention_grads(jnp.where(keep, da, 0.0), qs, k, b, tot, dt)  # [C t, C u]
+  do_st = _sum_over_v(vd, lambda cols: _dot(do_at(cols), st_ref[cols, :], (1, 0), dt))
+  dqs_in = _masked(jnp.exp(b), sees_state) * do_st
+  v_dst = _sum_over_v(vd, lambda cols: _dot(v_at(cols), dst_ref[cols, :], (1, 0), dt))
+  dk_out = _masked(jnp.exp(tot - b), reaches_end) * v_dst
+  dq = (dqs + dqs_in) * scale
+  dk += dk_out
+  x += qs * dqs_in - k * dk_out                                     # q dq - k dk: dL/d(b)
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  # Reverse cumulative sum within the chunk (the lowering has only the forward one).
+  within_ref[...] = jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x
 
 
 @_kernel_jit
@@ -552,7 +471,7 @@ def _grads(q, k, v, g, do, rc, st, dst, *, scale, c, interpret, knobs):
   nt = tp // c
   dv = _call(_dv_kernel, sp, (bsz, h, nt, vd // bv),
              [sp.tok(kd), sp.tok(kd), sp.tok(kd), sp.tok(bv, True), sp.state(bv, kd, True)],
-             sp.tok(bv, True), jax.ShapeDtypeStruct(v.shape, v.dtype), _warps(max(kd, bv)),
+             sp.tok(bv, True), jax.ShapeDtypeStruct(v.shape, v.dtype), max(kd, bv),
              interpret, q, k, g, do, dst, scale=scale)
   dq, dk, within = _call(
       _dqk_kernel, sp, (bsz, h, nt, kd // bk),
@@ -560,7 +479,7 @@ def _grads(q, k, v, g, do, rc, st, dst, *, scale, c, interpret, knobs):
        sp.state(vd, bk, blocked_cols=True), sp.state(vd, bk, blocked_cols=True)],
       [sp.tok(bk, True)] * 3,
       [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-       jax.ShapeDtypeStruct(q.shape, F32)], DQK_WARPS or _warps(max(bk, vd)), interpret,
+       jax.ShapeDtypeStruct(q.shape, F32)], max(bk, vd), interpret,
       q, k, v, g, do, st, dst, scale=scale)
   return dq, dk, dv, within
 

@@ -9,7 +9,7 @@ back-to-back calls divided by the batch size (device time, host dispatch overlap
 flash-linear-attention (fla.ops.gla.chunk_gla, if importable), of triton.testing.do_bench's CUDA
 events. `--intra` times chunk_gla's GPU path once per listed variant (see set_variant: "fact",
 the default, gla.gpu's five kernels; "xla", gla.gpu_xla; options for warps, state tiles and
-stages, prefetch, unrolling, chunk size, ...), one column each; `--check` checks every variant
+stages, prefetch, column blocks, chunk size), one column each; `--check` checks every variant
 in bfloat16 at Dh 64 (and once in float32 at Dh 48, which takes gla.gpu_xla whatever the
 variant). cuDNN is timed first for each shape, whatever `--deadline` says (which stops the
 variants and fla). A variant that fails (say, to compile) is reported in the notes and the run
@@ -116,16 +116,14 @@ def set_variant(variant):
   """A variant of chunk_gla's GPU path: "xla" (gla.gpu_xla) or "fact[-OPTION...]" (gla.gpu, the
   default; no option: the code as it is). Options of "fact":
 
-  - wN: N warps per per-chunk program; dqwN: N warps for the dq/dk kernel alone;
+  - wN: N warps per per-chunk program;
   - sbN: N-wide state tiles; stN: N pipeline stages in the state kernels; pf: the state
-    kernels' next tiles prefetched by hand; uN: N chunks per step of the state kernels' loop
-    (STATE_UNROLL; not with pf);
+    kernels' next tiles prefetched by hand;
   - spN: N-wide column blocks of the per-chunk kernels;
-  - v1: the dq/dk kernel reads v and do once per program where V fits one V_STEP (V_ONCE;
-    otherwise once per product over V);
-  - xa: each per-chunk kernel as a factorised pass and an exact pass for the chunks past
-    LIMIT (EXACT_APART; 8 Triton kernels instead of 5);
   - cN: chunks of N tokens (chunk_gla's chunk_size, 64 otherwise; for both "fact" and "xla").
+
+  Options timed and dropped (V_ONCE, now the code; STATE_UNROLL, DQK_WARPS, EXACT_APART) are in
+  git at 9f561b4 (docs/kernels.md).
   """
   global CHUNK
   name, *opts = variant.split("-")
@@ -133,12 +131,11 @@ def set_variant(variant):
     raise ValueError(f"unknown variant {variant!r}: fact or xla")
   dispatch.GLA_GPU_IMPL = name
   fact = gla_gpu_fact
-  fact.NUM_WARPS = fact.DQK_WARPS = fact.STATE_BLOCK = fact.SPLIT = None
-  fact.STATE_PREFETCH = fact.V_ONCE = fact.EXACT_APART = False
-  fact.STATE_STAGES, fact.STATE_UNROLL, CHUNK = 3, 1, 64
-  numeric = {"w": "NUM_WARPS", "dqw": "DQK_WARPS", "sb": "STATE_BLOCK", "st": "STATE_STAGES",
-             "sp": "SPLIT", "u": "STATE_UNROLL"}
-  flags = {"pf": "STATE_PREFETCH", "v1": "V_ONCE", "xa": "EXACT_APART"}
+  fact.NUM_WARPS = fact.STATE_BLOCK = fact.SPLIT = None
+  fact.STATE_PREFETCH = False
+  fact.STATE_STAGES, CHUNK = 3, 64
+  numeric = {"w": "NUM_WARPS", "sb": "STATE_BLOCK", "st": "STATE_STAGES", "sp": "SPLIT"}
+  flags = {"pf": "STATE_PREFETCH"}
   for opt in opts:
     key = opt.rstrip("0123456789")
     if opt.startswith("c") and opt[1:].isdigit():
@@ -149,8 +146,6 @@ def set_variant(variant):
       setattr(fact, flags[opt], True)
     else:
       raise ValueError(f"unknown option {opt!r} in {variant!r}")
-  if fact.STATE_PREFETCH and fact.STATE_UNROLL > 1:
-    raise ValueError(f"{variant!r}: uN and pf do not combine")
 
 
 _REFERENCE = {}  # (dtype, shape) -> the reference's o and gradients, the same for every variant
@@ -196,7 +191,7 @@ def main():
   ap.add_argument("--check", action="store_true", help="compare with the reference first")
   ap.add_argument("--no_fla", action="store_true")
   ap.add_argument("--intra", default="fact",
-                  help="comma-separated variants of the GPU path to time, e.g. fact, fact-v1, "
+                  help="comma-separated variants of the GPU path to time, e.g. fact, fact-pf, "
                        "fact-c128-w8, xla (set_variant)")
   ap.add_argument("--deadline", type=float, default=1e9,
                   help="seconds after which no new measurement but cuDNN's starts (the table "

@@ -2,7 +2,7 @@
 
     pip install --target /tmp/tri --no-deps triton==3.9.0      # once (about 290 MB)
     TRITON_DEFAULT_FP_FUSION=1 python scripts/bench/ptxas_gla.py --triton /tmp/tri \
-        [--dh 64 128] [--variants fact fact-xa-dqw8 ...]
+        [--dh 64 128] [--variants fact fact-w8 fact-c32 ...]
 
 Lowers forward + backward of gla.gpu at (1, 4 chunks, 2, Dh, Dh) in bfloat16 for each
 bench_gla variant (set_variant: options and chunk size), captures each pallas_call's Triton IR
