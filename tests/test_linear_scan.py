@@ -199,3 +199,55 @@ def test_rg_lru_reset_cuts_the_state():
   y2, _ = pallas_kernels.rg_lru(x2, gate_x, gate_a, a_param, reset, -h0)
   np.testing.assert_array_equal(y1[:, 10:], y2[:, 10:])
   assert not np.allclose(y1[:, :10], y2[:, :10])
+
+
+@pytest.mark.parametrize("shape,dtype", [((2, 44, 200), jnp.float32), ((3, 36, 256), jnp.bfloat16)])
+def test_rg_lru_fused_with_the_mosaic_gpu_forward(shape, dtype, monkeypatch):
+  # The fused layer's forward through gpu_mosaic.mosaic_scan (its interpreter: a short last
+  # time tile, a partial channel block, resets), the Triton backward (Pallas' interpreter):
+  # values and gradients against float64.
+  from pallas_kernels.rg_lru import fused
+  monkeypatch.setattr(fused, "MOSAIC_FORWARD", True)
+  monkeypatch.setattr(fused, "MOSAIC_MIN_BLOCKS", 1)
+  config = blocked.ScanConfig(backend="gpu", interpret=True, gpu_block_d=64, gpu_chunk=4,
+                              gpu_forward="mosaic")
+  called = []
+  real = gpu_mosaic.mosaic_scan
+  monkeypatch.setattr(gpu_mosaic, "mosaic_scan", lambda *a, **k: called.append(1) or real(*a, **k))
+  args, reset, dy = layer_inputs(sum(shape), shape, dtype)
+  fwd = lambda x, gx, ga, p, h0: rg_lru_with_config(x, gx, ga, p, reset.astype(jnp.float32), h0,
+                                                    config)
+  dh_last = jax.random.normal(jax.random.PRNGKey(1), args[-1].shape)
+  (y, h_last), vjp = jax.vjp(fwd, *args)
+  grads = vjp((dy, dh_last))
+  assert called
+  with jax.enable_x64(True):
+    ref = lambda x, gx, ga, p, h0: reference.rg_lru_reference(x, gx, ga, p, reset, h0)
+    (y_ref, h_ref), ref_vjp = jax.vjp(ref, *map(f64, args))
+    ref_grads = ref_vjp((f64(dy), f64(dh_last)))
+  tol = TOLERANCE[dtype]
+  assert rel_err(y, y_ref) < tol and rel_err(h_last, h_ref) < 1e-5
+  for name, g, g_ref in zip(("dx", "d_gate_x", "d_gate_a", "d_a_param", "dh0"), grads,
+                            ref_grads):
+    assert rel_err(g, g_ref) < tol, name
+
+
+def test_rg_lru_fused_lowers_for_a_gpu(monkeypatch):
+  # The GPU kernels lower for CUDA on this CPU machine (no GPU needed): the opt-in Mosaic GPU
+  # forward where the batch gives enough blocks, the Triton forward where it does not, the
+  # Triton backward in both; and the Mosaic kernel is refused for per-token rows of an
+  # unaligned T.
+  from pallas_kernels.rg_lru import fused
+  monkeypatch.setattr(fused, "MOSAIC_FORWARD", True)
+  for batch in (2, 16):
+    x = jnp.zeros((batch, 64, 2048), jnp.bfloat16)
+    reset, h0 = jnp.zeros((batch, 64)), jnp.zeros((batch, 2048))
+    config = blocked.ScanConfig(backend="gpu", gpu_forward="mosaic",
+                                **fused.gpu_block(batch, 2048))
+    def loss(x, p):
+      return jnp.sum(rg_lru_with_config(x, x, x, p, reset, h0, config)[0].astype(jnp.float32))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, jnp.zeros((2048,))).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert ("mosaic_gpu" in text) == (batch == 16), batch
+    assert "@__gpu$xla.gpu.triton" in text
+  assert not gpu_mosaic.supports(x, token_rows=(jnp.zeros((16, 62)),))

@@ -23,30 +23,53 @@ import jax.numpy as jnp
 
 from pallas_kernels import dispatch
 from pallas_kernels.rg_lru import blocked
+from pallas_kernels.rg_lru import gpu_mosaic
 from pallas_kernels.rg_lru.reference import MAX_SQRT_GRADIENT, RG_LRU_C
 
 _MIN_SQRT_ARG = 1.0 / (4.0 * MAX_SQRT_GRADIENT**2)
 
 
-def _one_minus_exp(u):
-  """``1 - exp(u)`` for ``u <= 0``, accurate near 0 where the subtraction cancels.
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+# The Mosaic GPU forward (gpu_mosaic.mosaic_scan, Hopper and newer), opt-in: set MOSAIC_FORWARD
+# = True. On an H100 at the Griffin-400M layer (B=16, T=2048, D=2048) it takes the forward from
+# 0.36 ms (Triton) to 0.222 ms, and forward + backward to 0.706 ms, 76% of the bytes floor
+# (docs/kernels.md); but Griffin-400M's training step did not get faster (184.3 against 182.9 ms)
+# and its compile grew from about 32 s to 95 s (a Mosaic kernel per layer), so it is off by
+# default. Its tiles: 128 channels per CUDA block (one per thread of its warpgroup), 32 time rows
+# (the reset flags' float32 tile must be a multiple of 128 bytes), 2 stages (a small
+# shared-memory ring lets several blocks share an SM: 0.369 ms with 3 stages, 0.241 with 2),
+# rows looped 8 at a time (every row unrolled: 0.222 ms but 14.6 s to compile; 8: 0.227 ms, 2.4
+# s). With fewer than MOSAIC_MIN_BLOCKS blocks (B=4, D=2048: 64, 1.155 ms) the Triton forward,
+# whose blocks narrow with the batch (gpu_block), runs instead.
+MOSAIC_FORWARD = False
+MOSAIC_BLOCK_D, MOSAIC_ROWS, MOSAIC_STAGES, MOSAIC_MIN_BLOCKS = 128, 32, 2, 256
+MOSAIC_ROW_UNROLL = 8
 
-  As a -> 1, ``1 - a^2`` is a few float32 ulps of 1 and ``1 - exp(2 log a)`` rounds it to 0 (or
-  to one ulp); a Taylor polynomial keeps it to float32 relative precision (``expm1`` would too,
-  but Mosaic has no lowering for it). Relative truncation error below |u|^5 / 720 (|u| < 0.1).
-  """
-  series = -u * (1.0 + u * (1.0 / 2 + u * (1.0 / 6 + u * (1.0 / 24 + u * (1.0 / 120)))))
-  return jnp.where(u > -0.1, series, 1.0 - jnp.exp(u))
+
+def _sigmoid(z):
+  # exp2 is one special-function instruction on a GPU; jnp.exp lowers to libdevice's expf, which
+  # adds a range reduction, and jax.nn.sigmoid to an IEEE division on top.
+  return 1.0 / (1.0 + jnp.exp2(-_LOG2E * z))
 
 
 def _gates(x_logit, a_logit, reset, softplus_a):
-  gate_x = jax.nn.sigmoid(x_logit)
-  gate_a = jax.nn.sigmoid(a_logit)
-  log_a = -RG_LRU_C * gate_a * softplus_a
-  a = jnp.exp(log_a)
-  one_minus_a_sq = _one_minus_exp(2.0 * log_a)
+  """The gate math of one step, written for few GPU instructions (exp2, rsqrt, no IEEE sqrt):
+  on an H100 this took the fused backward from 0.61 to 0.40 ms at the Griffin-400M layer shape
+  (docs/kernels.md), at the same float64 errors."""
+  gate_x = _sigmoid(x_logit)
+  gate_a = _sigmoid(a_logit)
+  log2_a = (-RG_LRU_C * _LOG2E) * gate_a * softplus_a
+  a = jnp.exp2(log2_a)
+  # 1 - a^2: as a -> 1 the subtraction cancels to a few float32 ulps (recurrentgemma has that
+  # error), so near 0 a Taylor polynomial of 1 - exp(u), u = 2 log a, keeps float32 relative
+  # precision (truncation below |u|^5 / 720); away from it 1 - a^2 < 0.905 does not cancel.
+  u = (2.0 * _LN2) * log2_a
+  series = -u * (1.0 + u * (1.0 / 2 + u * (1.0 / 6 + u * (1.0 / 24 + u * (1.0 / 120)))))
+  one_minus_a_sq = jnp.where(u > -0.1, series, 1.0 - a * a)
+  root = one_minus_a_sq * jax.lax.rsqrt(jnp.maximum(one_minus_a_sq, 1e-30))  # sqrt
   keep = 1.0 - reset
-  mult = reset + keep * jnp.sqrt(one_minus_a_sq)
+  mult = reset + keep * root
   return gate_x, gate_a, a * keep, one_minus_a_sq, mult, keep
 
 
@@ -84,9 +107,19 @@ def rg_lru_with_config(x, gate_x_logits, gate_a_logits, a_param, reset, h0,
 
 def _forward(x, gate_x_logits, gate_a_logits, a_param, reset, h0, config):
   softplus_a = jax.nn.softplus(a_param.astype(jnp.float32))
-  (y,), (h_last,) = blocked.blocked_scan(
-      _forward_step, (x, gate_x_logits, gate_a_logits), (h0,), out_dtypes=(x.dtype,),
-      reverse=False, config=config, rows=(reset,), params=(softplus_a,))
+  streams = (x, gate_x_logits, gate_a_logits)
+  B, _, D = x.shape
+  if (MOSAIC_FORWARD and config.backend == "gpu" and config.gpu_forward == "mosaic"
+      and B * -(-D // MOSAIC_BLOCK_D) >= MOSAIC_MIN_BLOCKS
+      and gpu_mosaic.supports(*streams, token_rows=(reset,), block_d=MOSAIC_BLOCK_D)):
+    (y,), (h_last,) = gpu_mosaic.mosaic_scan(
+        _forward_step, streams, (h0,), out_dtypes=(x.dtype,), token_rows=(reset,),
+        params=(softplus_a,), rows=MOSAIC_ROWS, block_d=MOSAIC_BLOCK_D, stages=MOSAIC_STAGES,
+        row_unroll=MOSAIC_ROW_UNROLL, interpret=config.interpret)
+  else:
+    (y,), (h_last,) = blocked.blocked_scan(
+        _forward_step, streams, (h0,), out_dtypes=(x.dtype,), reverse=False, config=config,
+        rows=(reset,), params=(softplus_a,))
   return (y, h_last), (x, gate_x_logits, gate_a_logits, a_param, reset, h0, y)
 
 
@@ -108,20 +141,22 @@ rg_lru_with_config.defvjp(_forward, _backward)
 
 
 def gpu_block(batch: int, width: int) -> dict:
-  """The fused kernels' block shape on GPU: one channel per thread (``block_d / 32`` warps) and
-  blocks narrow enough for about 128 programs (one per SM) when the batch is small.
+  """The fused Triton kernels' block shape on GPU: one channel per thread (``block_d / 32``
+  warps), blocks narrow enough for about 128 programs (one per SM) when the batch is small, and
+  chunks of 16 rows in flight at 256 channels (measured there).
 
   The gate arithmetic sits in the sequential loop, so these kernels are bound by instruction
   latency more than the plain scan. On an H100 at the Griffin-400M shape (B=16, T=2048, D=2048,
   fwd+bwd): 256 channels on 8 warps 1.054 ms, on 4 warps (the scan's shape) 1.415 ms, the XLA
-  gating plus the Pallas scan 1.627 ms. With 4 rows of 8192 the scan's shape left 32 programs
+  gating plus the Pallas scan 1.627 ms; 16-row chunks in the backward (5 streams, 8 rows by the
+  scan's rule) 0.847 against 0.913 ms. With 4 rows of 8192 the scan's shape left 32 programs
   and the fused layer made the whole training step slower than the unfused one (220.9 vs
   about 200 ms).
   """
   block = 256
   while block > 64 and batch * -(-width // block) < 128:
     block //= 2
-  return dict(gpu_block_d=block, gpu_num_warps=block // 32)
+  return dict(gpu_block_d=block, gpu_num_warps=block // 32, gpu_chunk=16 if block == 256 else None)
 
 
 def rg_lru(x, gate_x_logits, gate_a_logits, a_param, reset=None, h0=None, *, interpret=False):

@@ -62,10 +62,15 @@ def _interpret_params():
 _SMEM_BUDGET = 220 * 1024
 
 
-def _fit_smem(rows, block_d, stages, y_stages, x_bytes, a_bytes):
-  """``(rows, stages)``, shrunk (stages first, down to 2; then rows) until the rings fit."""
+def _fit_smem(rows, block_d, stages, y_stages, in_bytes, out_bytes, row_bytes, vec_bytes):
+  """``(rows, stages)``, shrunk (stages first, down to 2; then rows) until the rings fit.
+
+  ``in_bytes`` / ``out_bytes``: bytes per (row, channel) of all streams / outputs together;
+  ``row_bytes``: bytes per row of the per-token scalars; ``vec_bytes``: bytes per channel of the
+  carry and parameter vectors."""
   def smem(rows, stages):
-    return rows * block_d * (stages * (x_bytes + a_bytes) + y_stages * x_bytes) + block_d * 4
+    return (rows * (block_d * (stages * in_bytes + y_stages * out_bytes) + stages * row_bytes)
+            + block_d * vec_bytes)
   while smem(rows, stages) > _SMEM_BUDGET and stages > 2:
     stages -= 1
   while smem(rows, stages) > _SMEM_BUDGET and rows > 1:
@@ -78,50 +83,92 @@ def tma_capable(compute_capability: str) -> bool:
   return int(str(compute_capability).split(".")[0]) >= 9
 
 
-def supports(x, a, block_d: int = BLOCK_D) -> bool:
-  """Whether ``linear_scan_mgpu`` can run these ``[B, T, D]`` inputs (TMA stride alignment)."""
-  if x.ndim != 3 or a.shape != x.shape or block_d % _WARPGROUP:
+def supports(*streams, token_rows=(), block_d: int = BLOCK_D) -> bool:
+  """Whether ``mosaic_scan`` can run these ``[B, T, D]`` streams and ``[B, T]`` per-token rows
+  (TMA needs 16-byte aligned row strides)."""
+  shape = streams[0].shape
+  if len(shape) != 3 or block_d % _WARPGROUP or any(v.shape != shape for v in streams):
     return False
-  d = x.shape[2]
-  return all(d * jnp.dtype(v.dtype).itemsize % 16 == 0 for v in (x, a))
+  if any(r.shape != shape[:2] or shape[1] * 4 % 16 for r in token_rows):  # rows go as float32
+    return False
+  return all(shape[2] * jnp.dtype(v.dtype).itemsize % 16 == 0 for v in streams)
 
 
-@functools.partial(jax.jit, static_argnames=("reverse", "rows", "block_d", "stages",
-                                             "y_stages", "auto_barriers", "interpret"))
 def linear_scan_mgpu(x, a, h0=None, *, reverse=False, rows=ROWS, block_d=BLOCK_D, stages=STAGES,
-                     y_stages=2, auto_barriers=False, interpret=False):
+                     y_stages=2, interpret=False):
   """``(y, h_last)`` of ``h_t = a_t * h_{t-1} + x_t`` (``h_{t+1}`` when ``reverse``).
 
   Args:
     x, a: ``[B, T, D]`` (float32 or bfloat16; they may differ); see ``supports``.
     h0: ``[B, D]`` float32 or None (zeros).
-    reverse: scan from ``t = T-1`` down to 0.
-    rows: time rows per pipeline stage (tile height).
-    block_d: channels per CUDA block, a multiple of 128 (``block_d / 128`` per CUDA thread).
-    stages: shared-memory slots for x and for a; ``stages - 1`` tiles are in flight while one
-      is scanned. Stages, then rows, shrink where the rings would not fit in shared memory
-      (float32 inputs take twice the bytes).
-    y_stages: shared-memory slots for y (TMA stores in flight).
-    auto_barriers: let Pallas put a warpgroup barrier around every shared-memory store (not
-      needed here: each thread reads back only what it wrote, and the pipeline synchronises
-      before every TMA copy).
-    interpret: run Pallas' Mosaic GPU interpreter (CPU).
+    reverse, rows, block_d, stages, y_stages, interpret: as in ``mosaic_scan``.
 
   Returns:
     ``y: [B, T, D]`` in ``x``'s dtype, ``h_last: [B, D]`` float32.
   """
-  B, T, D = x.shape
-  if not supports(x, a, block_d):
-    raise ValueError(f"unsupported shape/dtypes for the Mosaic GPU scan: {x.shape} "
-                     f"{x.dtype} {a.dtype}, block_d={block_d}")
+  if h0 is None:
+    h0 = jnp.zeros((x.shape[0], x.shape[2]), jnp.float32)
+  (y,), (h_last,) = mosaic_scan(_linear_step, (x, a), (h0,), out_dtypes=(x.dtype,),
+                                reverse=reverse, rows=rows, block_d=block_d, stages=stages,
+                                y_stages=y_stages, interpret=interpret)
+  return y, h_last
+
+
+def _linear_step(carries, ins):
+  (h,), (x, a) = carries, ins
+  h = a * h + x
+  return (h,), (h,)
+
+
+@functools.partial(jax.jit, static_argnames=("step", "out_dtypes", "reverse", "rows", "block_d",
+                                             "stages", "y_stages", "row_unroll", "interpret"))
+def mosaic_scan(step, streams, carries0, *, out_dtypes, reverse=False, token_rows=(), params=(),
+                rows=ROWS, block_d=BLOCK_D, stages=STAGES, y_stages=2, row_unroll=0,
+                interpret=False):
+  """A forward ``blocked.blocked_scan`` (no lookahead stream) as a Mosaic GPU kernel.
+
+  Args:
+    step: the per-step function of ``blocked.blocked_scan``: ``(carries, ins) -> (carries,
+      outs)``, ``ins`` = one ``[block_d]`` float32 row of each stream, one scalar of each
+      ``token_rows`` array, each ``params`` vector.
+    streams: ``[B, T, D]`` arrays (float32 or bfloat16); see ``supports``.
+    carries0: ``[B, D]`` float32 initial carries.
+    out_dtypes: one dtype per ``[B, T, D]`` output of ``step``.
+    reverse: scan from ``t = T-1`` down to 0.
+    token_rows: ``[B, T]`` float32 per-token scalars (``T`` a multiple of 4: TMA strides; a
+      tile of them must be a multiple of 128 bytes, so ``rows`` a multiple of 32).
+    params: ``[D]`` float32 per-channel vectors.
+    rows: time rows per pipeline stage (tile height).
+    block_d: channels per CUDA block, a multiple of 128 (``block_d / 128`` per CUDA thread).
+    stages: shared-memory slots per input; ``stages - 1`` tiles are in flight while one is
+      scanned. Stages, then rows, shrink where the rings would not fit in shared memory.
+    y_stages: shared-memory slots per output (TMA stores in flight).
+    row_unroll: 0: every row of a tile traced (unrolled); N: a loop over the rows, N per
+      iteration (shorter compiles for heavy steps).
+    interpret: run Pallas' Mosaic GPU interpreter (CPU).
+
+  Returns:
+    ``(outputs, carries)``: the ``[B, T, D]`` outputs and the final ``[B, D]`` float32 carries.
+  """
+  B, T, D = streams[0].shape
+  if not supports(*streams, token_rows=token_rows, block_d=block_d):
+    raise ValueError(f"unsupported shapes/dtypes for the Mosaic GPU scan: "
+                     f"{[(v.shape, v.dtype) for v in streams]}, per-token rows "
+                     f"{[r.shape for r in token_rows]}, block_d={block_d}")
   f32 = jnp.float32
+  n_in, n_rows, n_par, n_car, n_out = (len(streams), len(token_rows), len(params),
+                                       len(carries0), len(out_dtypes))
   n_d = pl.cdiv(D, block_d)
   d_pad = n_d * block_d
-  h0 = jnp.zeros((B, D), f32) if h0 is None else h0.astype(f32)
-  if d_pad != D:
-    h0 = jnp.pad(h0, ((0, 0), (0, d_pad - D)))
-  rows, stages = _fit_smem(rows, block_d, stages, y_stages,
-                           jnp.dtype(x.dtype).itemsize, jnp.dtype(a.dtype).itemsize)
+  pad_d = lambda v: jnp.pad(v.astype(f32), [(0, 0)] * (v.ndim - 1) + [(0, d_pad - D)])
+  vectors = [pad_d(c) for c in carries0] + [pad_d(p) for p in params]
+  in_bytes = sum(jnp.dtype(v.dtype).itemsize for v in streams)
+  out_bytes = sum(jnp.dtype(dt).itemsize for dt in out_dtypes)
+  rows, stages = _fit_smem(rows, block_d, stages, y_stages, in_bytes, out_bytes, 4 * n_rows,
+                           4 * (n_car + n_par))
+  if token_rows and rows % 32:
+    raise ValueError(f"rows={rows} (after fitting shared memory): per-token rows need tiles "
+                     "of a multiple of 32 rows")
   n_t = pl.cdiv(T, rows)
   tail = T - (n_t - 1) * rows  # rows of the last time tile, 1..rows
   stages = min(stages, n_t)
@@ -137,8 +184,17 @@ def linear_scan_mgpu(x, a, h0=None, *, reverse=False, rows=ROWS, block_d=BLOCK_D
   def time_tile(s):  # pipeline step -> time tile
     return n_t - 1 - s if reverse else s
 
-  def kernel(x_gmem, a_gmem, h0_gmem, y_gmem, hl_gmem, x_smem, a_smem, y_smem, vec_smem,
-             loaded, vec_loaded):
+  def kernel(*refs):
+    refs = list(refs)
+
+    def take(n):
+      taken, refs[:n] = refs[:n], []
+      return taken
+
+    in_gmem, row_gmem, vec_gmem = take(n_in), take(n_rows), take(n_car + n_par)
+    out_gmem, carry_out_gmem = take(n_out), take(n_car)
+    in_smem, row_smem, out_smem = take(n_in), take(n_rows), take(n_out)
+    vec_smem, loaded, vec_loaded = take(1)[0], take(1)[0], take(1)[0]
     b = lax.axis_index("b")
     j = lax.axis_index("d")
     channels = pl.ds(j * block_d, block_d)
@@ -147,75 +203,95 @@ def linear_scan_mgpu(x, a, h0=None, *, reverse=False, rows=ROWS, block_d=BLOCK_D
       return (b, pl.ds(time_tile(s) * rows, rows), channels)
 
     def fetch(s, slot):
-      plgpu.copy_gmem_to_smem(x_gmem.at[tile(s)], x_smem.at[slot], loaded.at[slot])
-      plgpu.copy_gmem_to_smem(a_gmem.at[tile(s)], a_smem.at[slot], loaded.at[slot])
+      for g, m in zip(in_gmem, in_smem):
+        plgpu.copy_gmem_to_smem(g.at[tile(s)], m.at[slot], loaded.at[slot])
+      for g, m in zip(row_gmem, row_smem):
+        plgpu.copy_gmem_to_smem(g.at[b, pl.ds(time_tile(s) * rows, rows)], m.at[slot],
+                                loaded.at[slot])
 
     # Prologue: the first `stages` tiles in flight. A traced loop index, not Python ints: a
     # static window past T (the short first tile of a reverse scan) fails Pallas' bounds check,
     # while TMA itself zero-fills the rows past T.
     lax.fori_loop(0, stages, lambda s, _: fetch(s, s), None)
-    plgpu.copy_gmem_to_smem(h0_gmem.at[b, channels], vec_smem, vec_loaded)
+    for i, g in enumerate(vec_gmem):  # [B, D] carries, then [D] parameters
+      window = (b, channels) if i < n_car else (channels,)
+      plgpu.copy_gmem_to_smem(g.at[window], vec_smem.at[i], vec_loaded)
     plgpu.barrier_wait(vec_loaded)
-    h = load(vec_smem)
+    vectors = [load(vec_smem.at[i]) for i in range(n_car + n_par)]
+    carries, param_vals = tuple(vectors[:n_car]), tuple(vectors[n_car:])
 
-    def scan_tile(n, slot, y_slot, h):
-      x_tile, a_tile, y_tile = x_smem.at[slot], a_smem.at[slot], y_smem.at[y_slot]
-      for r in (range(n - 1, -1, -1) if reverse else range(n)):
-        h = load(a_tile.at[r]) * h + load(x_tile.at[r])
-        y_tile[r] = h.astype(y_tile.dtype)
-      return h
+    def scan_row(r, slot, y_slot, carries):
+      ins = tuple(load(m.at[slot, r]) for m in in_smem)
+      ins += tuple(m[slot, r] for m in row_smem)
+      carries, outs = step(carries, ins + param_vals)
+      for m, value in zip(out_smem, outs):
+        m[y_slot, r] = value.astype(m.dtype)
+      return carries
 
-    def step(s, h):
+    def scan_tile(n, slot, y_slot, carries):
+      if not row_unroll:  # every row traced: the fastest code, the longest compile
+        for r in (range(n - 1, -1, -1) if reverse else range(n)):
+          carries = scan_row(r, slot, y_slot, carries)
+        return carries
+      row = (lambda i: n - 1 - i) if reverse else (lambda i: i)
+      return lax.fori_loop(0, n, lambda i, c: scan_row(row(i), slot, y_slot, c), carries,
+                           unroll=min(row_unroll, n))
+
+    def body(s, carries):
       slot = lax.rem(s, stages)
       y_slot = lax.rem(s, y_stages)
       plgpu.barrier_wait(loaded.at[slot])
-      # The y store issued y_stages steps ago has finished reading its slot (and all threads
+      # The stores issued y_stages steps ago have finished reading their slot (and all threads
       # wait for that: the wait ends in a warpgroup barrier).
-      plgpu.wait_smem_to_gmem(y_stages - 1, wait_read_only=True)
+      plgpu.wait_smem_to_gmem(n_out * (y_stages - 1), wait_read_only=True)
       full = functools.partial(scan_tile, rows, slot, y_slot)
       if tail == rows:
-        h = full(h)
+        carries = full(carries)
       else:
         short = functools.partial(scan_tile, tail, slot, y_slot)
-        h = lax.cond(time_tile(s) == n_t - 1, short, full, h)
-      # Fence + warpgroup barrier: the y rows are visible to TMA, and every thread is done
-      # reading this x / a slot before it is refilled.
+        carries = lax.cond(time_tile(s) == n_t - 1, short, full, carries)
+      # Fence + warpgroup barrier: the output rows are visible to TMA, and every thread is
+      # done reading this input slot before it is refilled.
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(y_smem.at[y_slot], y_gmem.at[tile(s)])
+      for m, g in zip(out_smem, out_gmem):
+        plgpu.copy_smem_to_gmem(m.at[y_slot], g.at[tile(s)])
 
       @pl.when(s + stages < n_t)
       def _():
         fetch(s + stages, slot)
 
-      return h
+      return carries
 
-    h = lax.fori_loop(0, n_t, step, h)
-    vec_smem[...] = h
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(vec_smem, hl_gmem.at[b, channels])
+    carries = lax.fori_loop(0, n_t, body, carries)
+    for i, (c, g) in enumerate(zip(carries, carry_out_gmem)):
+      vec_smem[i] = c
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(vec_smem.at[i], g.at[b, channels])
     plgpu.wait_smem_to_gmem(0)
 
   T_out = T
+  token_rows = [r.astype(f32) for r in token_rows]
   if interpret:  # the interpreter rejects the out-of-bounds TMA windows that hardware clips
-    x, a = (jnp.pad(v, ((0, 0), (0, n_t * rows - T), (0, d_pad - D))) for v in (x, a))
+    pad_t = n_t * rows - T
+    streams = [jnp.pad(v, ((0, 0), (0, pad_t), (0, d_pad - D))) for v in streams]
+    token_rows = [jnp.pad(r, ((0, 0), (0, pad_t))) for r in token_rows]
     T_out, D_out = n_t * rows, d_pad
   else:
     D_out = D
-  y, h_last = plgpu.kernel(
+  results = plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct((B, T_out, D_out), x.dtype),
-                jax.ShapeDtypeStruct((B, d_pad), f32)),
-      scratch_types=[
-          plgpu.SMEM((stages, rows, block_d), x.dtype),
-          plgpu.SMEM((stages, rows, block_d), a.dtype),
-          plgpu.SMEM((y_stages, rows, block_d), x.dtype),
-          plgpu.SMEM((block_d,), f32),
-          plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-          plgpu.Barrier(),
-      ],
-      compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=not auto_barriers),
+      out_type=tuple(jax.ShapeDtypeStruct((B, T_out, D_out), dt) for dt in out_dtypes)
+      + (jax.ShapeDtypeStruct((B, d_pad), f32),) * n_car,
+      scratch_types=[plgpu.SMEM((stages, rows, block_d), v.dtype) for v in streams]
+      + [plgpu.SMEM((stages, rows), f32)] * n_rows
+      + [plgpu.SMEM((y_stages, rows, block_d), dt) for dt in out_dtypes]
+      + [plgpu.SMEM((n_car + n_par, block_d), f32),
+         plgpu.Barrier(num_arrivals=n_in + n_rows, num_barriers=stages),
+         plgpu.Barrier(num_arrivals=n_car + n_par)],
+      compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
       grid=(B, n_d),
       grid_names=("b", "d"),
       interpret=_interpret_params() if interpret else None,
-  )(x, a, h0)
-  return y[:, :T, :D], h_last[:, :D]
+  )(*streams, *token_rows, *vectors)
+  outs = tuple(y[:, :T, :D] for y in results[:n_out])
+  return outs, tuple(c[:, :D] for c in results[n_out:])

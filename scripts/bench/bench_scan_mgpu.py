@@ -7,8 +7,7 @@ First checks ``scan_mosaic_gpu.linear_scan_mgpu`` (y and h_last, forward and rev
 the float64 ``linear_scan_reference`` on ragged shapes, for every Mosaic GPU config; then times
 at B=8, D=2560, bfloat16 x and a, float32 carry, h0 = 0: our Triton ``linear_scan`` forward
 (the default config and the ``--triton`` variants, ``block_d:warps:chunk:prefetch``) and the
-Mosaic GPU kernel for each ``--mgpu`` config (``rows:block_d:stages:y_stages[:auto]``, ``auto``
-= Pallas' automatic barriers). Times are ``timing.time_fn`` (median of --iters timings of 5
+Mosaic GPU kernel for each ``--mgpu`` config (``rows:block_d:stages:y_stages``). Times are ``timing.time_fn`` (median of --iters timings of 5
 back-to-back calls); "% ceiling" is the byte floor (read x and a, write y: 3 bf16 [B, T, D]
 arrays) over the time, over the PyTorch 2 GiB device-to-device copy ceiling measured in the
 same run. Every variant runs in its own try/except, so one failure does not stop the rest.
@@ -50,10 +49,8 @@ def short_error(e: BaseException) -> str:
 
 
 def parse_mgpu(spec):
-  parts = spec.split(":")
-  rows, block_d, stages, y_stages = map(int, parts[:4])
-  return dict(rows=rows, block_d=block_d, stages=stages, y_stages=y_stages,
-              auto_barriers=len(parts) > 4 and parts[4] == "auto")
+  rows, block_d, stages, y_stages = map(int, spec.split(":"))
+  return dict(rows=rows, block_d=block_d, stages=stages, y_stages=y_stages)
 
 
 def mgpu_fn(cfg):
@@ -124,7 +121,7 @@ def main():
   parser.add_argument("--ts", default="8192,2048,32768")
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--mgpu", default="32:256:4:2,16:256:8:2,32:256:5:2,64:128:4:2,"
-                      "32:128:4:2,32:256:4:2:auto")
+                      "32:128:4:2")
   parser.add_argument("--triton", default="256:4:32:1,256:4:16:3,256:4:32:2")
   parser.add_argument("--no-check", action="store_true")
   parser.add_argument("--vjp", action="store_true",
