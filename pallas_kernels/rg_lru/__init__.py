@@ -15,7 +15,8 @@ Shapes: ``x, a``, the gate logits and ``y``: ``[B, T, D]``; ``h0, h_last``: ``[B
 
 Modules: ``scan`` and ``fused`` (the custom VJPs) run their steps through ``blocked``'s
 sequential driver, which runs ``tpu`` (Mosaic TPU; its interpreter on a CPU) or ``gpu``
-(Triton); ``gpu_mosaic`` is the linear scan's forward through Mosaic GPU on Hopper;
+(Triton); ``gpu_mosaic`` runs the same step functions forward through Mosaic GPU on Hopper
+(the linear scan's forward by default, the fused layer's forward when opted in);
 ``reference`` the pure-JAX references. Which runs where: ``pallas_kernels.dispatch``.
 """
 
