@@ -148,6 +148,24 @@ def make_eval_step(graphdef):
   return step
 
 
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+  """The records of ``workdir/metrics.jsonl`` (none if it is missing); a line cut short by a
+  kill is skipped."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  records = []
+  with open(path) as f:
+    for line in f:
+      try:
+        record = json.loads(line)
+      except ValueError:
+        continue
+      if isinstance(record, dict):
+        records.append(record)
+  return records
+
+
 class MetricsWriter:
   """``metrics.jsonl`` (one JSON object per logged step), TensorBoard, and the terminal."""
 
@@ -158,14 +176,8 @@ class MetricsWriter:
     self.kept: list[dict[str, Any]] = []
     if self.primary and os.path.exists(self.path):
       # Keep what the resumed run will not log again; a line cut short by a kill is dropped.
-      with open(self.path) as f:
-        for line in f:
-          try:
-            record = json.loads(line)
-          except ValueError:
-            continue
-          if isinstance(record, dict) and record.get("step", resume_step + 1) <= resume_step:
-            self.kept.append(record)
+      self.kept = [r for r in read_metrics(workdir)
+                   if r.get("step", resume_step + 1) <= resume_step]
       with open(self.path + ".tmp", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in self.kept)
       os.replace(self.path + ".tmp", self.path)

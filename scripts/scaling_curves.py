@@ -59,6 +59,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from recurrentgemma_jax import checkpoint, cli, configlib, data, flops
 from recurrentgemma_jax import model as model_lib
+from recurrentgemma_jax import train as train_lib
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 BASE_CONFIG = os.path.join(ROOT, "configs", "default.py")
@@ -312,23 +313,9 @@ def plan(family: str, budget: float, args) -> Run:
              flags, config, model_lib.count_params(cfg), per_token)
 
 
-def _metrics(workdir: str) -> list[dict]:
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
-    return []
-  records = []
-  with open(path) as f:
-    for line in f:
-      try:
-        records.append(json.loads(line))
-      except ValueError:
-        pass  # a line cut short by a kill
-  return records
-
-
 def finished(run: Run) -> bool:
   return any(r.get("step") == run.config.total_steps and "eval_loss" in r
-             for r in _metrics(run.workdir))
+             for r in train_lib.read_metrics(run.workdir))
 
 
 def _wall_time_file(run: Run) -> str:
@@ -409,7 +396,7 @@ def spike_ratio(losses: list[float], skip: int, window: int = SMOOTH) -> float:
 
 
 def summarize(run: Run, train_bytes: int) -> dict:
-  records = _metrics(run.workdir)
+  records = train_lib.read_metrics(run.workdir)
   train = [(r["step"], r["loss"]) for r in records if "loss" in r]
   evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
   final = [loss for step, loss in evals if step == run.config.total_steps]

@@ -108,13 +108,15 @@ def linear_scan_mgpu(x, a, h0=None, *, reverse=False, rows=ROWS, block_d=BLOCK_D
   """
   if h0 is None:
     h0 = jnp.zeros((x.shape[0], x.shape[2]), jnp.float32)
-  (y,), (h_last,) = mosaic_scan(_linear_step, (x, a), (h0,), out_dtypes=(x.dtype,),
+  (y,), (h_last,) = mosaic_scan(linear_step, (x, a), (h0,), out_dtypes=(x.dtype,),
                                 reverse=reverse, rows=rows, block_d=block_d, stages=stages,
                                 y_stages=y_stages, interpret=interpret)
   return y, h_last
 
 
-def _linear_step(carries, ins):
+def linear_step(carries, ins):
+  """The linear scan's forward step, ``h = a h + x`` (``scan.py`` runs it through either
+  driver)."""
   (h,), (x, a) = carries, ins
   h = a * h + x
   return (h,), (h,)
@@ -263,9 +265,10 @@ def mosaic_scan(step, streams, carries0, *, out_dtypes, reverse=False, token_row
       return carries
 
     carries = lax.fori_loop(0, n_t, body, carries)
-    for i, (c, g) in enumerate(zip(carries, carry_out_gmem)):
+    for i, c in enumerate(carries):
       vec_smem[i] = c
-      plgpu.commit_smem()
+    plgpu.commit_smem()
+    for i, g in enumerate(carry_out_gmem):
       plgpu.copy_smem_to_gmem(vec_smem.at[i], g.at[b, channels])
     plgpu.wait_smem_to_gmem(0)
 

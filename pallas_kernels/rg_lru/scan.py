@@ -22,12 +22,6 @@ from pallas_kernels.rg_lru import blocked
 from pallas_kernels.rg_lru import gpu_mosaic
 
 
-def _forward_step(carries, ins):
-  (h,), (x, a) = carries, ins
-  h = a * h + x
-  return (h,), (h,)
-
-
 def _backward_step(carries, ins):
   (c,), (dy, a, h_prev) = carries, ins
   g = dy + c
@@ -56,7 +50,8 @@ def _forward(x, a, h0, reverse, config):
                                             interpret=config.interpret)
   else:
     (y,), (h_last,) = blocked.blocked_scan(
-        _forward_step, (x, a), (h0,), out_dtypes=(x.dtype,), reverse=reverse, config=config)
+        gpu_mosaic.linear_step, (x, a), (h0,), out_dtypes=(x.dtype,), reverse=reverse,
+        config=config)
   return (y, h_last), (a, y, h0)
 
 
