@@ -76,17 +76,20 @@ class AttentionCache(NamedTuple):
 
 
 BAND_BLOCK = 256  # queries per block of banded local attention
-DECODE_BLOCK = 128  # cached keys per program of the GPU decode kernel
+DECODE_BLOCK = 128  # cached keys per loop step of the GPU decode kernel
+DECODE_SPLIT = 128  # cached keys per program (split) of the GPU decode kernel: a multiple of DECODE_BLOCK
 
 
 def length_bounded_attention(q, keys, values, lengths, scale):
   """One query token per row over the first ``lengths[b]`` cached keys of its row, reading
   only the blocks of keys below that length: JAX's Pallas GPU decode-attention kernel
   (``jax.experimental.pallas.ops.gpu.decode_attention``, run in its interpreter on a CPU).
-  q: [B, N, H]; keys, values: [B, S, H] with S a multiple of ``DECODE_BLOCK``; lengths: [B]."""
+  Each program reads one split of ``DECODE_SPLIT`` keys; splits past a row's length are
+  skipped. q: [B, N, H]; keys, values: [B, S, H] with S a multiple of ``DECODE_SPLIT``;
+  lengths: [B]."""
   from jax.experimental.pallas.ops.gpu import decode_attention  # pylint: disable=g-import-not-at-top
   return decode_attention.mqa(q, keys, values, kv_seq_len=lengths, sm_scale=scale,
-                              block_k=DECODE_BLOCK, k_splits=keys.shape[1] // DECODE_BLOCK,
+                              block_k=DECODE_BLOCK, k_splits=keys.shape[1] // DECODE_SPLIT,
                               interpret=jax.default_backend() == "cpu")
 
 
@@ -208,7 +211,7 @@ class MQAttention(nnx.Module):
     new_cache = self._updated_cache(k, v, segment_pos, cache)
     keys, values = new_cache.keys.astype(q.dtype), new_cache.values.astype(q.dtype)
     scale = self.head_dim**-0.5
-    if self.window is None and self.impl == "cudnn" and keys.shape[1] % DECODE_BLOCK == 0:
+    if self.window is None and self.impl == "cudnn" and keys.shape[1] % DECODE_SPLIT == 0:
       attend = lambda q, keys, values, lengths: length_bounded_attention(
           q, keys, values, lengths, scale)
       bnh, bsh = ("batch", "heads", None), ("batch", None, None)
@@ -256,6 +259,6 @@ class MQAttention(nnx.Module):
     for global."""
     size = max_len if self.window is None else min(self.window + 1, max_len)
     if self.window is None and self.impl == "cudnn":  # whole blocks for the GPU decode kernel
-      size = -(-max_len // DECODE_BLOCK) * DECODE_BLOCK
+      size = -(-max_len // DECODE_SPLIT) * DECODE_SPLIT
     zeros = jnp.zeros((batch_size, size, self.head_dim), dtype)
     return AttentionCache(zeros, zeros, jnp.full((batch_size, size), -1, jnp.int32))

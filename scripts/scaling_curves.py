@@ -3,7 +3,7 @@ held-out loss against training FLOPs for the MQA Transformer, Hawk, Griffin and 
 compute budgets, trained on the Python source of the packages installed where it runs.
 
   python scripts/scaling_curves.py --out DIR [--budgets 1e15,3e15,1e16]
-      [--families mqa,hawk,griffin,gla] [--time_limit SECONDS] [--skip_training]
+      [--families mqa,hawk,griffin,gla] [--time_limit SECONDS] [--parallel N] [--skip_training]
       [--source_dirs DIR,...] [--held_out 0.02] [--max_file_kb 1024] [--corpus_max_mb 0]
       [--piece_chars 2048]
       [--config.FIELD=VALUE ...]   (passed to every training run, after the script's own)
@@ -25,9 +25,9 @@ compute budgets, trained on the Python source of the packages installed where it
    training tokens per Griffin parameter) is nearest, and each family trains for the budget
    divided by its training FLOPs per token (``recurrentgemma_jax/flops.py``). Each run is
    ``scripts/train.py`` in ``DIR/runs/FAMILY_BUDGET`` (log: ``train.log`` there); a finished
-   run is skipped, an unfinished one resumes from its checkpoint. ``--time_limit``: no run
-   starts after that many seconds and the one running gets SIGTERM (it saves its step; rerun
-   to continue).
+   run is skipped, an unfinished one resumes from its checkpoint; ``--parallel N`` trains N at
+   once. ``--time_limit``: no run starts after that many seconds and those running get SIGTERM
+   (each saves its step; rerun to continue).
 3. The report: ``DIR/scaling_curves.md`` (the table), ``DIR/scaling_curves.json`` and
    ``DIR/scaling_curves.png`` (held-out loss against training FLOPs); the table, the order of
    the families at each budget and whether each family's loss falls with compute are printed.
@@ -338,45 +338,54 @@ def _add_wall_time(run: Run, seconds: float) -> None:
 
 
 def train_all(runs: list[Run], args) -> list[str]:
-  """Trains the unfinished runs one after the other; returns the names of those that failed."""
+  """Trains the unfinished runs, ``args.parallel`` at a time (in the order given); returns the
+  names of those that failed. At the time limit no run starts and the running ones get SIGTERM
+  (each saves its step)."""
   deadline = time.time() + args.time_limit if args.time_limit else math.inf
-  failed = []
-  for run in runs:
-    if finished(run):
-      print(f"{run.name}: finished", flush=True)
-      continue
-    if time.time() >= deadline:
-      print(f"time limit: {run.name} and those after it not started (rerun to continue)")
-      break
+  failed, running, stopped = [], [], False
+  todo = [r for r in runs if not finished(r) or print(f"{r.name}: finished", flush=True)]
+
+  def start(run: Run):
     os.makedirs(run.workdir, exist_ok=True)
     steps = checkpoint.committed_steps(os.path.join(run.workdir, "checkpoints"))
-    start = f"resuming at step {max(steps)}" if steps else "starting"
-    print(f"{run.name}: {start} of {run.config.total_steps} ({run.params / 1e6:.2f}M "
+    begin = f"resuming at step {max(steps)}" if steps else "starting"
+    print(f"{run.name}: {begin} of {run.config.total_steps} ({run.params / 1e6:.2f}M "
           f"parameters, {run.flops:.2e} FLOPs) -> {run.workdir}", flush=True)
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"), f"--config={BASE_CONFIG}",
            f"--workdir={run.workdir}", *run.flags]
-    began, stopped = time.time(), False
     with open(os.path.join(run.workdir, "train.log"), "a") as log:
       proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=CHILD_ENV, cwd=ROOT)
-      try:
-        proc.wait(timeout=None if deadline == math.inf else max(0.0, deadline - time.time()))
-      except subprocess.TimeoutExpired:
-        stopped = True
-        proc.terminate()  # train.py saves the step it is at and exits
-        proc.wait()
-      except BaseException:
-        proc.terminate()
-        proc.wait()
-        raise
+    running.append((run, proc, time.time()))
+
+  def finish(run: Run, proc, began: float):
     _add_wall_time(run, time.time() - began)
-    if proc.returncode:
+    if proc.returncode == 0 and finished(run):
+      print(f"{run.name}: done in {time.time() - began:.0f} s", flush=True)
+    elif proc.returncode == 0 and stopped:
+      print(f"time limit: {run.name} stopped (rerun to continue)", flush=True)
+    else:
       print(f"{run.name}: FAILED (exit {proc.returncode}; see {run.workdir}/train.log)")
       failed.append(run.name)
-    elif stopped:
-      print(f"time limit: {run.name} stopped (rerun to continue)", flush=True)
-      break
-    else:
-      print(f"{run.name}: done in {time.time() - began:.0f} s", flush=True)
+
+  try:
+    while todo or running:
+      while todo and len(running) < args.parallel and not stopped:
+        start(todo.pop(0))
+      time.sleep(0.2)
+      for item in [item for item in running if item[1].poll() is not None]:
+        running.remove(item)
+        finish(*item)
+      if not stopped and time.time() >= deadline:
+        stopped = True
+        for _, proc, _ in running:
+          proc.terminate()  # train.py saves the step it is at and exits
+        if todo:
+          print(f"time limit: {', '.join(r.name for r in todo)} not started (rerun to continue)")
+        todo = []
+  finally:
+    for _, proc, _ in running:
+      proc.terminate()
+      proc.wait()
   return failed
 
 
@@ -526,6 +535,8 @@ def main():
   parser.add_argument("--families", type=_families, default=list(FAMILIES))
   parser.add_argument("--time_limit", type=float, default=0,
                       help="seconds after which no run starts and the running one stops (0: none)")
+  parser.add_argument("--parallel", type=int, default=1,
+                      help="runs trained at once (on one accelerator: small models leave it idle)")
   parser.add_argument("--skip_training", action="store_true", help="only build and report")
   parser.add_argument("--source_dirs", default="",
                       help="folders of the corpus, comma-separated (default: site-packages)")
@@ -538,6 +549,8 @@ def main():
   args.config_overrides, unknown = cli.split_config_flags(rest)
   if unknown:
     parser.error(f"unknown argument {unknown[0]!r} (training fields: --config.FIELD=VALUE)")
+  if args.parallel < 1:
+    parser.error(f"--parallel={args.parallel} must be at least 1")
   if not 0 < args.held_out < 1:
     parser.error(f"--held_out={args.held_out} must be between 0 and 1")
   args.source_dirs = ([os.path.abspath(d) for d in args.source_dirs.split(",") if d]

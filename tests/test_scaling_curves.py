@@ -189,3 +189,20 @@ def test_runs_stop_at_the_time_limit_resume_and_are_reported(tmp_path):
   assert table.count("\n| hawk | ") == 2 and f"| hawk | {large} | 32 x 3 |" in table
   assert "- hawk: " in table and "Order at each budget" in table
   assert (out / "scaling_curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow  # ~25 s on 2 CPU cores: two tiny trainings at once
+def test_parallel_runs_train_at_once(tmp_path):
+  sources = fake_site_packages(tmp_path / "src")
+  out = tmp_path / "out"
+  text = run_script("scaling_curves.py", f"--out={out}", f"--source_dirs={','.join(sources)}",
+                    "--held_out=0.3", "--max_file_kb=16", "--families=hawk,mqa", *TINY,
+                    "--config.model.dtype=float32", "--config.data.eval_tokens=512",
+                    "--budgets=3e09", "--parallel=2").stdout
+  lines = text.splitlines()
+  first_done = min(i for i, line in enumerate(lines) if ": done in" in line)
+  started = [i for i, line in enumerate(lines) if ": starting of" in line]
+  assert len(started) == 2 and max(started) < first_done, text  # the second began before
+  rows = json.loads((out / "scaling_curves.json").read_text())
+  assert sorted((r["family"], r["steps_done"] == r["steps"]) for r in rows) == [
+      ("hawk", True), ("mqa", True)]

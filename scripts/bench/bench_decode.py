@@ -62,9 +62,8 @@ def main():
 
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from recurrentgemma_jax import model as model_lib  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  from recurrentgemma_jax import aot, flops, presets, sampling  # pylint: disable=g-import-not-at-top
+  from recurrentgemma_jax import aot, flops, sampling  # pylint: disable=g-import-not-at-top
 
   os.makedirs(args.out, exist_ok=True)
   new_counts = [int(n) for n in args.new_tokens.split(",")]
@@ -78,15 +77,6 @@ def main():
 
   def out_of_time():
     return args.deadline and time.time() - start_time > args.deadline
-
-  def build(family):
-    fields = presets.preset(family, args.size)
-    if args.tiny:
-      fields.update(width=64, lru_width=64, num_layers=3, num_heads=2, num_gate_blocks=2,
-                    mlp_expanded_width=128, attention_window_size=16)
-    cfg = model_lib.ModelConfig(vocab_size=args.vocab_size, dtype="bfloat16",
-                                param_dtype="bfloat16", **fields)
-    return model_lib.init_model(cfg, seed=0)
 
   def timed(model, batch, prompt_len, new, budget=0.0):
     prompts = np.random.default_rng(0).integers(3, args.vocab_size,
@@ -116,7 +106,7 @@ def main():
              "latency": [], "throughput": [], "runs": []}
   print(f"peak {peak / 1e12:.0f} TFLOP/s, copy ceiling {ceiling / 1e12:.2f} TB/s", flush=True)
   for family in args.families.split(","):
-    model = build(family)
+    model = build_model(family, args.size, args.vocab_size, args.tiny)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
     def floor(batch, prompt_len, new, model=model, n_params=n_params):
@@ -160,6 +150,20 @@ def main():
         write(results)
     del model
   print(write(results))
+
+
+def build_model(family: str, size: str, vocab_size: int, tiny: bool = False):
+  """A randomly initialised preset model (bfloat16 weights and compute); ``tiny``: a few
+  thousand parameters of the same family, for a CPU check."""
+  from recurrentgemma_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  from recurrentgemma_jax import presets  # pylint: disable=g-import-not-at-top
+  fields = presets.preset(family, size)
+  if tiny:
+    fields.update(width=64, lru_width=64, num_layers=3, num_heads=2, num_gate_blocks=2,
+                  mlp_expanded_width=128, attention_window_size=16)
+  cfg = model_lib.ModelConfig(vocab_size=vocab_size, dtype="bfloat16", param_dtype="bfloat16",
+                              **fields)
+  return model_lib.init_model(cfg, seed=0)
 
 
 class OverBudget(Exception):

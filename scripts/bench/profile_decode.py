@@ -1,0 +1,137 @@
+"""Where a decoding step's time goes, at a given batch and cache fill, against its roofline.
+
+  python scripts/bench/profile_decode.py --family mqa [--size 1.3b] [--batch 1024]
+      [--position 2048] [--steps 32] [--split_keys 128,512] [--profile DIR] [--tiny]
+
+Decodes ``--steps`` greedy tokens per row (``Model.extend`` and the argmax, in one ``lax.scan``
+compiled ahead of time, as ``sampling`` does) from caches already holding ``--position`` tokens
+per row (their contents are zeros: the time does not depend on them; only the lengths do), and
+prints the time per step beside the step's floor (``bench_decode.decode_floor``: FLOPs over the
+peak or bytes over the copy ceiling measured in the same run, whichever is larger). This is the
+steady state that ``bench_decode.py``'s throughput rows average over 4096 positions, at one
+position: the MQA baseline's cache read at 4096 new tokens averages about 2048 positions.
+
+``--split_keys``: for each value, the keys per program of the GPU decode kernel
+(``attention.DECODE_SPLIT``) is set and the step timed again (global attention only).
+``--profile DIR``: one more run of the last setting under ``jax.profiler``, summarised by
+``profile_summary.py`` (time by kind of kernel and the top kernels, per step).
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def filled_cache(model, batch: int, position: int, max_len: int):
+  """``model.init_cache`` with every attention cache holding positions ``0 .. position - 1``
+  of one document (a ring buffer the last ``size`` of them), as after a prefill."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from recurrentgemma_jax import attention  # pylint: disable=g-import-not-at-top
+  cache = list(model.init_cache(batch, max_len))
+  for i, c in enumerate(cache):
+    if isinstance(c, attention.AttentionCache):
+      size = c.positions.shape[1]
+      slots = jnp.arange(size)
+      # slot s holds the latest position p < position with p % size == s (none: -1)
+      last = position - 1 - (position - 1 - slots) % size
+      positions = jnp.where(last >= 0, last, -1).astype(jnp.int32)
+      cache[i] = c._replace(positions=jnp.broadcast_to(positions, c.positions.shape))
+  return tuple(cache)
+
+
+def decoder(model, steps: int):
+  """``run(state, cache, tokens, pos) -> tokens [steps, B]``: ``steps`` greedy decoding steps."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  graphdef, _ = nnx.split(model)
+
+  @jax.jit
+  def run(state, cache, tokens, pos):
+    m = nnx.merge(graphdef, state)
+
+    def step(carry, _):
+      cache, tokens, pos = carry
+      logits, cache = m.extend(tokens[:, None], pos[:, None], cache)
+      tokens = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+      return (cache, tokens, pos + 1), tokens
+
+    return jax.lax.scan(step, (cache, tokens, pos), None, length=steps)[1]
+
+  return run
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--family", default="mqa")
+  parser.add_argument("--size", default="1.3b")
+  parser.add_argument("--vocab_size", type=int, default=256_000)
+  parser.add_argument("--batch", type=int, default=1024)
+  parser.add_argument("--position", type=int, default=2048, help="tokens already cached per row")
+  parser.add_argument("--steps", type=int, default=32)
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--split_keys", default="", help="GPU decode kernel keys per program")
+  parser.add_argument("--profile", default="", help="trace directory")
+  parser.add_argument("--tiny", action="store_true", help="tiny models, for a CPU check")
+  args = parser.parse_args()
+  if args.position < 1 or args.steps < 1 or args.batch < 1:
+    parser.error("--position, --steps and --batch must be at least 1")
+
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from recurrentgemma_jax import attention, flops  # pylint: disable=g-import-not-at-top
+  import bench_decode  # pylint: disable=g-import-not-at-top
+  import profile_summary  # pylint: disable=g-import-not-at-top
+
+  model = bench_decode.build_model(args.family, args.size, args.vocab_size, args.tiny)
+  state = nnx.state(model)
+  n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  peak = flops.device_peak_flops() or 0.0
+  ceiling = bench_decode.copy_ceiling(jax, 2**30 if not args.tiny else 2**24)
+  floor = bench_decode.decode_floor(model.cfg, n_params, args.batch, args.position, args.steps,
+                                    peak, ceiling)
+  floor_ms = 1e3 * floor["floor_s"] / args.steps
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; {args.family} {args.size}, "
+        f"{n_params / 1e9:.2f}B parameters, batch {args.batch}, cache {args.position} tokens, "
+        f"{args.steps} steps", flush=True)
+  print(f"floor per step {floor_ms:.2f} ms ({floor['bound']}): "
+        f"{floor['flops_per_step'] / 1e12:.2f} TFLOP over {peak / 1e12:.0f} TFLOP/s, "
+        f"{floor['bytes_per_step'] / 1e9:.2f} GB over {ceiling / 1e12:.2f} TB/s", flush=True)
+
+  tokens = jnp.asarray(np.random.default_rng(0).integers(3, args.vocab_size, args.batch),
+                       jnp.int32)
+  pos = jnp.full((args.batch,), args.position, jnp.int32)
+  max_len = args.position + args.steps + 1
+  splits = [int(s) for s in args.split_keys.split(",")] if args.split_keys else [None]
+  rows = []
+  for split in splits:
+    if split is not None:
+      attention.DECODE_SPLIT = split
+    cache = filled_cache(model, args.batch, args.position, max_len)
+    run = decoder(model, args.steps).lower(state, cache, tokens, pos).compile()
+    jax.block_until_ready(run(state, cache, tokens, pos))
+    times = []
+    for _ in range(args.repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(run(state, cache, tokens, pos))
+      times.append(time.perf_counter() - start)
+    ms = 1e3 * statistics.median(times) / args.steps
+    rows.append((split, ms))
+    print(f"split_keys {split or attention.DECODE_SPLIT}: {ms:.2f} ms per step, "
+          f"{args.batch / ms * 1e3:,.0f} tokens/s, {100 * floor_ms / ms:.1f}% of the floor",
+          flush=True)
+  if args.profile:
+    with jax.profiler.trace(args.profile, create_perfetto_trace=True):
+      jax.block_until_ready(run(state, cache, tokens, pos))
+    print(profile_summary.summarize(args.profile, steps=args.steps, top=25))
+
+
+if __name__ == "__main__":
+  main()
