@@ -586,6 +586,12 @@ def fit_check(config: ml_collections.ConfigDict, plan, *, log=lambda _: None) ->
   failed = [p for p in report.programs if p.compiled is None and not p.out_of_memory]
   if failed:
     raise CompileError(f"the step did not compile: {failed[0].error}")
+  unsized = [p for p in report.programs if p.out_of_memory and p.memory.needed is None]
+  if unsized:  # the device itself was out of memory while compiling (e.g. autotuning on a GPU)
+    raise ConfigError(
+        f"the step did not compile: the device ran out of memory while compiling "
+        f"({unsized[0].error}); is another process holding it? (processes sharing a GPU need "
+        f"XLA_PYTHON_CLIENT_PREALLOCATE=false)")
   if limit is None or report.fits:
     return report
   worst = report.worst

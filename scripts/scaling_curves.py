@@ -338,12 +338,17 @@ def _add_wall_time(run: Run, seconds: float) -> None:
 
 
 def train_all(runs: list[Run], args) -> list[str]:
-  """Trains the unfinished runs, ``args.parallel`` at a time (in the order given); returns the
-  names of those that failed. At the time limit no run starts and the running ones get SIGTERM
-  (each saves its step)."""
+  """Trains the unfinished runs, ``args.parallel`` at a time (then the largest budgets first);
+  returns the names of those that failed. At the time limit no run starts and the running ones
+  get SIGTERM (each saves its step)."""
   deadline = time.time() + args.time_limit if args.time_limit else math.inf
   failed, running, stopped = [], [], False
+  env = dict(CHILD_ENV)
+  if args.parallel > 1:  # several processes on one accelerator: none may take it all up front
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   todo = [r for r in runs if not finished(r) or print(f"{r.name}: finished", flush=True)]
+  if args.parallel > 1:  # the longest first: the last to finish then starts early
+    todo.sort(key=lambda r: -r.flops)
 
   def start(run: Run):
     os.makedirs(run.workdir, exist_ok=True)
@@ -354,7 +359,7 @@ def train_all(runs: list[Run], args) -> list[str]:
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"), f"--config={BASE_CONFIG}",
            f"--workdir={run.workdir}", *run.flags]
     with open(os.path.join(run.workdir, "train.log"), "a") as log:
-      proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=CHILD_ENV, cwd=ROOT)
+      proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     running.append((run, proc, time.time()))
 
   def finish(run: Run, proc, began: float):

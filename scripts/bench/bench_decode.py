@@ -184,10 +184,11 @@ def copy_ceiling(jax, nbytes: int, iters: int = 10) -> float:
 
 
 def decode_floor(cfg, n_params: int, batch: int, prompt_len: int, new: int, peak: float,
-                 ceiling: float) -> dict:
-  """The roofline of prefilling ``prompt_len`` tokens and decoding ``new`` more, ``batch`` rows
-  (bfloat16 weights): per step the larger of its FLOPs over ``peak`` and its bytes over
-  ``ceiling``, summed. See the module docstring for what is counted."""
+                 ceiling: float, prefill: bool = True) -> dict:
+  """The roofline of prefilling ``prompt_len`` tokens (``prefill=False``: already cached) and
+  decoding ``new`` more, ``batch`` rows (bfloat16 weights): per step the larger of its FLOPs
+  over ``peak`` and its bytes over ``ceiling``, summed. See the module docstring for what is
+  counted."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   from recurrentgemma_jax import flops  # pylint: disable=g-import-not-at-top
   d, lru = cfg.width, cfg.resolved_lru_width
@@ -212,7 +213,7 @@ def decode_floor(cfg, n_params: int, batch: int, prompt_len: int, new: int, peak
   compute_s = batch * flops_row / peak if peak else np.zeros_like(pos)
   memory_s = (weight_bytes + batch * bytes_row) / ceiling
   floor_s = float(np.maximum(compute_s, memory_s).sum())
-  if prompt_len > 1:  # the prefill: one pass over the prompt
+  if prefill and prompt_len > 1:  # the prefill: one pass over the prompt
     prefill_flops = batch * prompt_len * flops.forward_flops_per_token(cfg, prompt_len)
     floor_s += max(prefill_flops / peak if peak else 0.0, weight_bytes / ceiling)
   return {"floor_s": floor_s,

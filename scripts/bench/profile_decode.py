@@ -14,7 +14,8 @@ position: the MQA baseline's cache read at 4096 new tokens averages about 2048 p
 ``--split_keys``: for each value, the keys per program of the GPU decode kernel
 (``attention.DECODE_SPLIT``) is set and the step timed again (global attention only).
 ``--profile DIR``: one more run of the last setting under ``jax.profiler``, summarised by
-``profile_summary.py`` (time by kind of kernel and the top kernels, per step).
+``profile_summary.py`` (time by kind of kernel and the top kernels, per step); ``--hlo FILE``:
+the compiled program's optimised HLO.
 """
 
 import argparse
@@ -77,6 +78,7 @@ def main():
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--split_keys", default="", help="GPU decode kernel keys per program")
   parser.add_argument("--profile", default="", help="trace directory")
+  parser.add_argument("--hlo", default="", help="write the last setting's optimised HLO here")
   parser.add_argument("--tiny", action="store_true", help="tiny models, for a CPU check")
   args = parser.parse_args()
   if args.position < 1 or args.steps < 1 or args.batch < 1:
@@ -96,7 +98,7 @@ def main():
   peak = flops.device_peak_flops() or 0.0
   ceiling = bench_decode.copy_ceiling(jax, 2**30 if not args.tiny else 2**24)
   floor = bench_decode.decode_floor(model.cfg, n_params, args.batch, args.position, args.steps,
-                                    peak, ceiling)
+                                    peak, ceiling, prefill=False)
   floor_ms = 1e3 * floor["floor_s"] / args.steps
   print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; {args.family} {args.size}, "
         f"{n_params / 1e9:.2f}B parameters, batch {args.batch}, cache {args.position} tokens, "
@@ -110,10 +112,11 @@ def main():
   pos = jnp.full((args.batch,), args.position, jnp.int32)
   max_len = args.position + args.steps + 1
   splits = [int(s) for s in args.split_keys.split(",")] if args.split_keys else [None]
-  rows = []
+  rows, run, cache = [], None, None
   for split in splits:
     if split is not None:
       attention.DECODE_SPLIT = split
+    del run, cache  # the last setting's cache: an MQA cache at batch 1024 is tens of GB
     cache = filled_cache(model, args.batch, args.position, max_len)
     run = decoder(model, args.steps).lower(state, cache, tokens, pos).compile()
     jax.block_until_ready(run(state, cache, tokens, pos))
@@ -127,6 +130,9 @@ def main():
     print(f"split_keys {split or attention.DECODE_SPLIT}: {ms:.2f} ms per step, "
           f"{args.batch / ms * 1e3:,.0f} tokens/s, {100 * floor_ms / ms:.1f}% of the floor",
           flush=True)
+  if args.hlo:
+    with open(args.hlo, "w") as f:
+      f.write(run.as_text())
   if args.profile:
     with jax.profiler.trace(args.profile, create_perfetto_trace=True):
       jax.block_until_ready(run(state, cache, tokens, pos))

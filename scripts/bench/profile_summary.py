@@ -19,6 +19,7 @@ import glob
 import gzip
 import json
 import os
+import re
 
 KINDS = (  # (kind, substrings of a lower-cased kernel or op name), first match wins
     ("collective", ("nccl", "all-reduce", "all-gather", "reduce-scatter", "all-to-all",
@@ -95,6 +96,18 @@ def summarize(trace_dir: str, steps: int = 1, top: int = 30) -> str:
   lines += [f"| {s} | {t / steps:.2f} |" for s, t in by_stream.most_common()]
   lines += ["", "| kind | ms/step | share |", "|---|---|---|"]
   lines += [f"| {k} | {t / steps:.2f} | {100 * t / total:.1f}% |" for k, t in by_kind.most_common()]
+  # The same kernel in every layer (ops that differ only by their number) as one row.
+  merged, merged_calls = collections.Counter(), collections.Counter()
+  for name, t in by_op.items():
+    key = re.sub(r"\.\d+(?=[:_ ]|$)", "", name)
+    merged[key] += t
+    merged_calls[key] += calls[name]
+  lines += ["", f"| top {top} kernels, ops of every layer together | calls/step | ms/step | share |",
+            "|---|---|---|---|"]
+  for name, t in merged.most_common(top):
+    shown = name if len(name) <= 110 else name[:107] + "..."
+    lines.append(f"| `{shown}` | {merged_calls[name] / steps:g} | {t / steps:.3f} | "
+                 f"{100 * t / total:.1f}% |")
   lines += ["", f"| top {top} kernels / ops | calls/step | ms/step | share |", "|---|---|---|---|"]
   for name, t in by_op.most_common(top):
     shown = name if len(name) <= 110 else name[:107] + "..."
