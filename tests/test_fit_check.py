@@ -3,13 +3,14 @@ written (or a parameter read), the compiled programs' memory against the devices
 simulated small limit, --config.memory_limit_gib or --memory_limit_gib); a run that does not fit
 exits 2 with one line naming a setting that fits, found by compiling it."""
 
+import os
 import re
 import shutil
 
 import numpy as np
 import pytest
 
-from helpers import run_script
+from helpers import ROOT, run_script
 
 SIZE = r"[\d.]+ [KMG]iB"
 FEW_STEPS = ["--config.total_steps=2", "--config.eval_every=0"]
@@ -124,3 +125,20 @@ def test_a_program_that_fits_is_checked_before_any_parameter_is_read(checkpoints
   assert proc.returncode == 2
   assert proc.stdout.startswith("compiled the forward pass over 2 rows of 8 tokens in ")
   assert proc.stderr.startswith("error: checkpoint ") and "cannot restore 'params'" in proc.stderr
+
+
+def test_a_device_out_of_memory_while_compiling_is_named_as_such(monkeypatch):
+  """When the device itself runs out of memory while compiling (e.g. another process holds
+  a GPU's memory), the compiler gives no size: the one line says so, not 'needs 0.0 KiB'."""
+  from recurrentgemma_jax import aot, configlib, train  # pylint: disable=g-import-not-at-top
+  config = configlib.load(os.path.join(ROOT, "configs", "default.py"))
+  plan = train.setup(config)
+  error = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB"
+  monkeypatch.setattr(aot, "_compile", lambda lowered: aot.Program(
+      None, aot.Memory(), 0.0, error, out_of_memory=True))
+  with pytest.raises(configlib.ConfigError) as refused:
+    aot.fit_check(config, plan)
+  message = str(refused.value)
+  assert message.startswith("the step did not compile: the device ran out of memory while "
+                            "compiling") and error in message and "0.0 KiB" not in message
+  assert "XLA_PYTHON_CLIENT_PREALLOCATE=false" in message and "\n" not in message

@@ -31,6 +31,27 @@ def test_cached_sampling_logits_equal_the_full_forward(family, scan_layers):
     np.testing.assert_array_equal(out.tokens[row], np.argmax(expected, axis=-1))
 
 
+@pytest.mark.parametrize("family", ["griffin", "hawk"])
+def test_extend_in_chunks_equals_the_full_forward(family):
+  """``Model.extend`` over chunks of 1 to 5 tokens (the Conv1D's last inputs and the RG-LRU
+  state carried between them, decoding steps among them), with documents packed in the rows
+  and starting inside chunks, gives the full forward's logits."""
+  cfg = tiny_config(family=family, num_layers=3, attention_window_size=3, scan_layers=False)
+  model = perturbed(model_lib.init_model(cfg, seed=3), seed=4, scale=0.1)
+  rng = np.random.default_rng(7)
+  tokens = jnp.asarray(rng.integers(0, 53, (2, 17)), jnp.int32)
+  # row 0: documents of 6, 1 and 10 tokens; row 1: one of 17
+  segment_pos = jnp.asarray([list(range(6)) + [0] + list(range(10)), list(range(17))])
+  full = model(tokens, segment_pos)
+  cache, start, logits = model.init_cache(2, 17), 0, []
+  for size in (3, 1, 5, 1, 1, 2, 4):
+    out, cache = model.extend(tokens[:, start:start + size], segment_pos[:, start:start + size],
+                              cache)
+    logits.append(out)
+    start += size
+  np.testing.assert_allclose(jnp.concatenate(logits, axis=1), full, atol=1e-5, rtol=1e-5)
+
+
 def test_sampling_controls():
   cfg = tiny_config(family="hawk", num_layers=1)
   model = perturbed(model_lib.init_model(cfg, seed=1), seed=2)
