@@ -346,7 +346,12 @@ def train_all(runs: list[Run], args) -> list[str]:
   env = dict(CHILD_ENV)
   if args.parallel > 1:  # several processes on one accelerator: none may take it all up front
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  todo = [r for r in runs if not finished(r) or print(f"{r.name}: finished", flush=True)]
+  todo = []
+  for run in runs:
+    if finished(run):
+      print(f"{run.name}: finished", flush=True)
+    else:
+      todo.append(run)
   if args.parallel > 1:  # the longest first: the last to finish then starts early
     todo.sort(key=lambda r: -r.flops)
 
