@@ -77,7 +77,7 @@ class AttentionCache(NamedTuple):
 
 BAND_BLOCK = 256  # queries per block of banded local attention
 DECODE_BLOCK = 128  # cached keys per loop step of the GPU decode kernel
-DECODE_SPLIT = 128  # cached keys per program (split) of the GPU decode kernel: a multiple of DECODE_BLOCK
+DECODE_SPLIT = 128  # cached keys per program (split) of it: a multiple of DECODE_BLOCK
 
 
 def length_bounded_attention(q, keys, values, lengths, scale):
