@@ -76,20 +76,17 @@ class AttentionCache(NamedTuple):
 
 
 BAND_BLOCK = 256  # queries per block of banded local attention
-DECODE_BLOCK = 128  # cached keys per loop step of the GPU decode kernel
-DECODE_SPLIT = 128  # cached keys per program (split) of it: a multiple of DECODE_BLOCK
+DECODE_BLOCK = 128  # cached keys per program of the GPU decode kernel
 
 
 def length_bounded_attention(q, keys, values, lengths, scale):
   """One query token per row over the first ``lengths[b]`` cached keys of its row, reading
   only the blocks of keys below that length: JAX's Pallas GPU decode-attention kernel
   (``jax.experimental.pallas.ops.gpu.decode_attention``, run in its interpreter on a CPU).
-  Each program reads one split of ``DECODE_SPLIT`` keys; splits past a row's length are
-  skipped. q: [B, N, H]; keys, values: [B, S, H] with S a multiple of ``DECODE_SPLIT``;
-  lengths: [B]."""
+  q: [B, N, H]; keys, values: [B, S, H] with S a multiple of ``DECODE_BLOCK``; lengths: [B]."""
   from jax.experimental.pallas.ops.gpu import decode_attention  # pylint: disable=g-import-not-at-top
   return decode_attention.mqa(q, keys, values, kv_seq_len=lengths, sm_scale=scale,
-                              block_k=DECODE_BLOCK, k_splits=keys.shape[1] // DECODE_SPLIT,
+                              block_k=DECODE_BLOCK, k_splits=keys.shape[1] // DECODE_BLOCK,
                               interpret=jax.default_backend() == "cpu")
 
 
@@ -211,7 +208,7 @@ class MQAttention(nnx.Module):
     new_cache = self._updated_cache(k, v, segment_pos, cache)
     keys, values = new_cache.keys.astype(q.dtype), new_cache.values.astype(q.dtype)
     scale = self.head_dim**-0.5
-    if self.window is None and self.impl == "cudnn" and keys.shape[1] % DECODE_SPLIT == 0:
+    if self.window is None and self.impl == "cudnn" and keys.shape[1] % DECODE_BLOCK == 0:
       attend = lambda q, keys, values, lengths: length_bounded_attention(
           q, keys, values, lengths, scale)
       bnh, bsh = ("batch", "heads", None), ("batch", None, None)
@@ -259,6 +256,6 @@ class MQAttention(nnx.Module):
     for global."""
     size = max_len if self.window is None else min(self.window + 1, max_len)
     if self.window is None and self.impl == "cudnn":  # whole blocks for the GPU decode kernel
-      size = -(-max_len // DECODE_SPLIT) * DECODE_SPLIT
+      size = -(-max_len // DECODE_BLOCK) * DECODE_BLOCK
     zeros = jnp.zeros((batch_size, size, self.head_dim), dtype)
     return AttentionCache(zeros, zeros, jnp.full((batch_size, size), -1, jnp.int32))

@@ -74,9 +74,20 @@ def choose(logits, key, temperature: float, top_k: int, top_p: float):
 def _generate(graphdef, state, tokens, segment_pos, lengths, *, params: SamplingParams,
               pad_id: int, return_logits: bool, stream: Callable | None):
   model = nnx.merge(graphdef, state)
-  batch = tokens.shape[0]
-  cache = model.init_cache(batch, tokens.shape[1] + params.max_new_tokens)
+  cache = model.init_cache(tokens.shape[0], tokens.shape[1] + params.max_new_tokens)
   logits, cache = model.extend(tokens, segment_pos, cache)
+  new_tokens, done, step_logits = decode(model, cache, logits[:, -1], lengths, params,
+                                         pad_id=pad_id, return_logits=return_logits,
+                                         stream=stream)
+  return new_tokens.T, done.T, None if step_logits is None else step_logits.swapaxes(0, 1)
+
+
+def decode(model, cache, logits, positions, params: SamplingParams, *, pad_id: int = 0,
+           return_logits: bool = False, stream: Callable | None = None):
+  """The decoding loop (one ``lax.scan``, traced inside a jit): ``params.max_new_tokens`` tokens
+  per row, each chosen from the last logits (``[B, V]``) and fed through ``model.extend`` at
+  the row's next position (``positions``, ``[B]``) with ``cache``. Returns ``(tokens, done,
+  logits)``, time first (``[N, B]``; the logits ``[N, B, V]`` or None)."""
   stops = jnp.asarray(params.stop_tokens or (-1,), jnp.int32)
 
   def step(carry, key):
@@ -91,9 +102,8 @@ def _generate(graphdef, state, tokens, segment_pos, lengths, *, params: Sampling
     return (cache, logits[:, 0], pos + 1, done), out
 
   keys = jax.random.split(jax.random.PRNGKey(params.seed), params.max_new_tokens)
-  init = (cache, logits[:, -1], lengths, jnp.zeros((batch,), bool))
-  _, (new_tokens, done, step_logits) = jax.lax.scan(step, init, keys)
-  return new_tokens.T, done.T, None if step_logits is None else step_logits.swapaxes(0, 1)
+  init = (cache, logits, positions, jnp.zeros((logits.shape[0],), bool))
+  return jax.lax.scan(step, init, keys)[1]
 
 
 def lower_sample(graphdef, state, prompts: Sequence[Sequence[int]],

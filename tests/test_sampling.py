@@ -241,13 +241,9 @@ def test_gpu_decode_kernel_gives_the_full_forward_logits(family):
 def test_decode_profile_script_times_steps_from_filled_caches(tmp_path):
   """profile_decode.py: caches filled to a position (a global cache holds slots 0..p-1, a
   local ring the last window + 1 positions at p % size), then timed steps and the HLO."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
-  from helpers import ROOT, run_script  # pylint: disable=g-import-not-at-top
-  path = os.path.join(ROOT, "scripts", "bench", "profile_decode.py")
-  spec = importlib.util.spec_from_file_location("profile_decode", path)
-  profile_decode = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(profile_decode)
+  from helpers import run_script  # pylint: disable=g-import-not-at-top
+  from test_errors import load_script  # pylint: disable=g-import-not-at-top
+  profile_decode = load_script("bench/profile_decode")
   cfg = tiny_config(family="griffin", num_layers=3, attention_window_size=3, scan_layers=False)
   cfg_mqa = tiny_config(family="mqa", num_layers=2, scan_layers=False)
   for config in (cfg, cfg_mqa):
@@ -263,6 +259,6 @@ def test_decode_profile_script_times_steps_from_filled_caches(tmp_path):
   hlo = tmp_path / "step.hlo"
   out = run_script("bench/profile_decode.py", "--tiny", "--family=griffin", "--vocab_size=64",
                    "--batch=2", "--position=5", "--steps=3", "--repeats=1",
-                   "--split_keys=128,256", f"--hlo={hlo}").stdout
-  assert "floor per step" in out and out.count("ms per step") == 2, out
+                   f"--hlo={hlo}").stdout
+  assert "floor per step" in out and out.count("ms per step") == 1, out
   assert " while" in hlo.read_text() or "while(" in hlo.read_text()

@@ -64,13 +64,13 @@ def main():
         f"bytes floors at 3.0 TB/s: fwd {floor_fwd:.3f} ms, fwd+bwd {floor_both:.3f} ms")
   default = dispatch.scan_config()
   config = dataclasses.replace(default, **rg_lru_fused.gpu_block(b, d))
-  rows = [("XLA gating + Pallas scan", unfused),
-          ("fused (the default: Triton forward)", fused(config)),
-          ("fused, Mosaic GPU forward (MOSAIC_FORWARD)", fused(config))]
+  rows = [("XLA gating + Pallas scan", unfused, False),  # (name, layer, MOSAIC_FORWARD)
+          ("fused (the default: Triton forward)", fused(config), False),
+          ("fused, Mosaic GPU forward (MOSAIC_FORWARD)", fused(config), True)]
   print("| RG-LRU layer | fwd (ms) | fwd % floor | fwd+bwd (ms) | fwd+bwd % floor |\n"
         "|---|---|---|---|---|")
-  for name, f in rows:
-    rg_lru_fused.MOSAIC_FORWARD = "Mosaic" in name
+  for name, f, mosaic in rows:
+    rg_lru_fused.MOSAIC_FORWARD = mosaic
     try:
       fwd, both = fwd_bwd(f)
       t_fwd, t_both = timed(fwd, x, gx, ga, a_param), timed(both, x, gx, ga, a_param)

@@ -1,19 +1,16 @@
 """Where a decoding step's time goes, at a given batch and cache fill, against its roofline.
 
   python scripts/bench/profile_decode.py --family mqa [--size 1.3b] [--batch 1024]
-      [--position 2048] [--steps 32] [--split_keys 128,512] [--profile DIR] [--tiny]
+      [--position 2048] [--steps 32] [--profile DIR] [--hlo FILE] [--tiny]
 
-Decodes ``--steps`` greedy tokens per row (``Model.extend`` and the argmax, in one ``lax.scan``
-compiled ahead of time, as ``sampling`` does) from caches already holding ``--position`` tokens
-per row (their contents are zeros: the time does not depend on them; only the lengths do), and
-prints the time per step beside the step's floor (``bench_decode.decode_floor``: FLOPs over the
+Decodes ``--steps`` greedy tokens per row (``sampling.decode``, compiled ahead of time) from
+caches already holding ``--position`` tokens per row (their contents are zeros: the time does
+not depend on them; only the lengths do), and prints the time per step beside the step's floor (``bench_decode.decode_floor``: FLOPs over the
 peak or bytes over the copy ceiling measured in the same run, whichever is larger). This is the
 steady state that ``bench_decode.py``'s throughput rows average over 4096 positions, at one
 position: the MQA baseline's cache read at 4096 new tokens averages about 2048 positions.
 
-``--split_keys``: for each value, the keys per program of the GPU decode kernel
-(``attention.DECODE_SPLIT``) is set and the step timed again (global attention only).
-``--profile DIR``: one more run of the last setting under ``jax.profiler``, summarised by
+``--profile DIR``: one more run under ``jax.profiler``, summarised by
 ``profile_summary.py`` (time by kind of kernel and the top kernels, per step); ``--hlo FILE``:
 the compiled program's optimised HLO.
 """
@@ -46,23 +43,17 @@ def filled_cache(model, batch: int, position: int, max_len: int):
 
 
 def decoder(model, steps: int):
-  """``run(state, cache, tokens, pos) -> tokens [steps, B]``: ``steps`` greedy decoding steps."""
+  """``run(state, cache, logits, pos) -> tokens [steps, B]``: ``steps`` greedy steps of
+  ``sampling.decode``, the loop ``sampling.sample`` runs after its prefill."""
   import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
+  from recurrentgemma_jax import sampling  # pylint: disable=g-import-not-at-top
   graphdef, _ = nnx.split(model)
+  params = sampling.SamplingParams(max_new_tokens=steps)
 
   @jax.jit
-  def run(state, cache, tokens, pos):
-    m = nnx.merge(graphdef, state)
-
-    def step(carry, _):
-      cache, tokens, pos = carry
-      logits, cache = m.extend(tokens[:, None], pos[:, None], cache)
-      tokens = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-      return (cache, tokens, pos + 1), tokens
-
-    return jax.lax.scan(step, (cache, tokens, pos), None, length=steps)[1]
+  def run(state, cache, logits, pos):
+    return sampling.decode(nnx.merge(graphdef, state), cache, logits, pos, params)[0]
 
   return run
 
@@ -76,9 +67,8 @@ def main():
   parser.add_argument("--position", type=int, default=2048, help="tokens already cached per row")
   parser.add_argument("--steps", type=int, default=32)
   parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--split_keys", default="", help="GPU decode kernel keys per program")
   parser.add_argument("--profile", default="", help="trace directory")
-  parser.add_argument("--hlo", default="", help="write the last setting's optimised HLO here")
+  parser.add_argument("--hlo", default="", help="write the optimised HLO here")
   parser.add_argument("--tiny", action="store_true", help="tiny models, for a CPU check")
   args = parser.parse_args()
   if args.position < 1 or args.steps < 1 or args.batch < 1:
@@ -88,7 +78,7 @@ def main():
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  from recurrentgemma_jax import attention, flops  # pylint: disable=g-import-not-at-top
+  from recurrentgemma_jax import flops  # pylint: disable=g-import-not-at-top
   import bench_decode  # pylint: disable=g-import-not-at-top
   import profile_summary  # pylint: disable=g-import-not-at-top
 
@@ -107,35 +97,26 @@ def main():
         f"{floor['flops_per_step'] / 1e12:.2f} TFLOP over {peak / 1e12:.0f} TFLOP/s, "
         f"{floor['bytes_per_step'] / 1e9:.2f} GB over {ceiling / 1e12:.2f} TB/s", flush=True)
 
-  tokens = jnp.asarray(np.random.default_rng(0).integers(3, args.vocab_size, args.batch),
-                       jnp.int32)
+  tokens = np.random.default_rng(0).integers(3, args.vocab_size, args.batch)
+  logits = jax.nn.one_hot(tokens, args.vocab_size, dtype=jnp.float32)  # the first tokens
   pos = jnp.full((args.batch,), args.position, jnp.int32)
-  max_len = args.position + args.steps + 1
-  splits = [int(s) for s in args.split_keys.split(",")] if args.split_keys else [None]
-  rows, run, cache = [], None, None
-  for split in splits:
-    if split is not None:
-      attention.DECODE_SPLIT = split
-    del run, cache  # the last setting's cache: an MQA cache at batch 1024 is tens of GB
-    cache = filled_cache(model, args.batch, args.position, max_len)
-    run = decoder(model, args.steps).lower(state, cache, tokens, pos).compile()
-    jax.block_until_ready(run(state, cache, tokens, pos))
-    times = []
-    for _ in range(args.repeats):
-      start = time.perf_counter()
-      jax.block_until_ready(run(state, cache, tokens, pos))
-      times.append(time.perf_counter() - start)
-    ms = 1e3 * statistics.median(times) / args.steps
-    rows.append((split, ms))
-    print(f"split_keys {split or attention.DECODE_SPLIT}: {ms:.2f} ms per step, "
-          f"{args.batch / ms * 1e3:,.0f} tokens/s, {100 * floor_ms / ms:.1f}% of the floor",
-          flush=True)
+  cache = filled_cache(model, args.batch, args.position, args.position + args.steps + 1)
+  run = decoder(model, args.steps).lower(state, cache, logits, pos).compile()
+  jax.block_until_ready(run(state, cache, logits, pos))
+  times = []
+  for _ in range(args.repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(run(state, cache, logits, pos))
+    times.append(time.perf_counter() - start)
+  ms = 1e3 * statistics.median(times) / args.steps
+  print(f"{ms:.2f} ms per step, {args.batch / ms * 1e3:,.0f} tokens/s, "
+        f"{100 * floor_ms / ms:.1f}% of the floor", flush=True)
   if args.hlo:
     with open(args.hlo, "w") as f:
       f.write(run.as_text())
   if args.profile:
     with jax.profiler.trace(args.profile, create_perfetto_trace=True):
-      jax.block_until_ready(run(state, cache, tokens, pos))
+      jax.block_until_ready(run(state, cache, logits, pos))
     print(profile_summary.summarize(args.profile, steps=args.steps, top=25))
 
 
