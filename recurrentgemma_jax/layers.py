@@ -132,7 +132,11 @@ class Conv1D(nnx.Module):
   """Causal channel-wise convolution over time, ``temporal_width`` taps, reset at documents.
 
   ``y[t] = b + sum_s w[W-1-s] * x[t-s]`` over the taps ``s`` whose input lies in the same
-  document as ``t``. In decoding, ``state`` holds the previous ``W-1`` inputs.
+  document as ``t``. In decoding, ``state`` is a ring buffer of the last ``W-1`` inputs, slot
+  first (``[W-1, B, D]``): the input a cache took as its ``c``-th token (``count``, the same
+  for every row) sits in slot ``c % (W-1)``, so a decoding step reads whole slots and writes
+  one in place (a dynamic-update-slice) instead of shifting the state; a tap is used only when
+  its position is in the token's document (``segment_pos - s >= 0``).
   """
 
   def __init__(self, width: int, temporal_width: int = 4, *, rngs: nnx.Rngs,
@@ -147,35 +151,50 @@ class Conv1D(nnx.Module):
       self,
       x: Float[Array, "b t d"],
       segment_pos: Int[Array, "b t"],
-      state: Float[Array, "b w d"] | None = None,
-  ) -> tuple[Float[Array, "b t d"], Float[Array, "b w d"]]:
-    """Returns the convolution and the last ``W-1`` inputs (the decoding state)."""
+      state: Float[Array, "w b d"] | None = None,
+      count: Int[Array, ""] | int = 0,
+  ) -> tuple[Float[Array, "b t d"], Float[Array, "w b d"]]:
+    """Returns the convolution and the ring buffer after these inputs (``count``: the tokens
+    ``state`` has taken)."""
     width = self.temporal_width
+    slots = width - 1
     x = x.astype(self.dtype)
     w = self.w.value.astype(self.dtype)
     t = x.shape[1]
+    bias = self.b.value.astype(self.dtype)
+    if state is not None and t == 1:  # one decoding step: whole slots, one written in place
+      out = x * w[slots] + bias
+      for shift in range(1, width):
+        tap = jax.lax.dynamic_index_in_dim(state, (count - shift) % slots, keepdims=False)
+        valid = (segment_pos - shift >= 0)[..., None]  # [b, 1, 1]: in this token's document
+        out = out + jnp.where(valid, tap[:, None].astype(x.dtype), 0) * w[slots - shift]
+      return out, jax.lax.dynamic_update_index_in_dim(state, x[:, 0].astype(state.dtype),
+                                                      count % slots, axis=0)
     if state is None:
-      history = jnp.zeros((x.shape[0], width - 1, x.shape[2]), x.dtype)
+      history = jnp.zeros((x.shape[0], slots, x.shape[2]), x.dtype)
       # Tokens before the row belong to no document: taps reaching them are masked below.
       doc = document_ids(segment_pos)
-      doc = jnp.concatenate([jnp.full((doc.shape[0], width - 1), -1, doc.dtype), doc], axis=1)
+      doc = jnp.concatenate([jnp.full((doc.shape[0], slots), -1, doc.dtype), doc], axis=1)
     else:
-      history = state.astype(x.dtype)
-      # Continuing a sequence: the cached inputs are in the same document unless this token
-      # starts a new one.
-      doc = jnp.concatenate(
-          [jnp.zeros((x.shape[0], width - 1), jnp.int32), document_ids(segment_pos)], axis=1)
+      # The cached inputs in time order (slots count, count + 1, ... mod W-1), at positions
+      # p0 - W + 1 .. p0 - 1 before the first new token's p0: those before its document
+      # (negative positions) are masked, all of them when p0 starts a new document.
+      history = jnp.take(state.astype(x.dtype), (count + jnp.arange(slots)) % slots, axis=0)
+      history = history.swapaxes(0, 1)
+      before = segment_pos[:, :1] - slots + jnp.arange(slots)
+      doc = jnp.concatenate([jnp.where(before >= 0, 0, -1), document_ids(segment_pos)], axis=1)
     padded = jnp.concatenate([history, x], axis=1)
     out = jnp.zeros_like(x)
     for shift in range(min(width, t + width - 1)):
-      window = padded[:, width - 1 - shift: width - 1 - shift + t]
-      same_doc = doc[:, width - 1 - shift: width - 1 - shift + t] == doc[:, width - 1:]
-      out = out + jnp.where(same_doc[..., None], window, 0) * w[width - 1 - shift]
-    out = out + self.b.value.astype(self.dtype)
-    # The decoding state keeps only inputs of the last document (zero inputs add nothing).
-    state_doc = doc[:, -(width - 1):]
-    new_state = jnp.where((state_doc == doc[:, -1:])[..., None], padded[:, -(width - 1):], 0)
-    return out, new_state
+      window = padded[:, slots - shift: slots - shift + t]
+      same_doc = doc[:, slots - shift: slots - shift + t] == doc[:, slots:]
+      out = out + jnp.where(same_doc[..., None], window, 0) * w[slots - shift]
+    out = out + bias
+    # The last W-1 inputs, taken as tokens count + t - W + 1 .. count + t - 1: slot j holds
+    # the one whose number is j mod W-1. (Those of an earlier document are kept: never read.)
+    ring = jnp.take(padded[:, -slots:], (jnp.arange(slots) - count - t) % slots, axis=1)
+    ring = ring.swapaxes(0, 1)
+    return out, ring if state is None else ring.astype(state.dtype)
 
 
 class Embedder(nnx.Module):

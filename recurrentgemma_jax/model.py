@@ -299,9 +299,15 @@ class MLPBlock(nnx.Module):
     # Branch axis next to the features ("btcm", not "cbtm"): one [B*T, D] x [D, 2M] matmul each
     # way, and the backward needs no transposes of [2, B, T, M] activations (measured on an
     # H100: they were 12% of a Griffin-1B step).
-    up = jnp.einsum("btd,cdm->btcm", x, self.ffw_up.w.value.astype(self.dtype))
-    bias = self.ffw_up.b.value
-    up = up + bias.reshape(bias.shape[0], bias.shape[-1]).astype(self.dtype)
+    w = self.ffw_up.w.value.astype(self.dtype)
+    bias = self.ffw_up.b.value.astype(self.dtype)
+    if x.shape[1] == 1:
+      # Decoding (one token per row): the branch axis as a batch axis of both operands, so
+      # the [2, D, M] weight is read as it lies. With "btd,cdm->btcm", XLA transposed the whole
+      # weight at every step (H100 profile of Hawk 1.3B at 2048 rows: 0.89 ms of 17 ms).
+      up = jnp.einsum("cbtd,cdm->cbtm", jnp.broadcast_to(x, (2, *x.shape)), w) + bias
+      return self.ffw_down(jax.nn.gelu(up[0]) * up[1])
+    up = jnp.einsum("btd,cdm->btcm", x, w) + bias.reshape(bias.shape[0], bias.shape[-1])
     return self.ffw_down(jax.nn.gelu(up[..., 0, :]) * up[..., 1, :])
 
 

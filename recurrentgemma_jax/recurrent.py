@@ -113,6 +113,12 @@ class RGLRU(nnx.Module):
     reset = segment_pos == 0
     gate_x_logits = self.input_gate(x)
     gate_a_logits = self.a_gate(x)
+    if h0 is not None and x.shape[1] == 1:
+      # One decoding step: elementwise, fused by XLA with the gates and written over the
+      # cached state in place (the scan kernel costs a launch and a copy of the state).
+      normalized_x, a = gated_inputs(x, gate_x_logits, gate_a_logits, self.a_param.value, reset)
+      h = a[:, 0] * h0.astype(a.dtype) + normalized_x[:, 0].astype(a.dtype)
+      return h[:, None].astype(x.dtype), h
     if self.fused:
       import pallas_kernels  # pylint: disable=g-import-not-at-top  (optional kernels)
       rows, state = scan_lib.ROW_AXES, scan_lib.STATE_AXES
@@ -127,7 +133,8 @@ class RecurrentCache(NamedTuple):
   """Decoding state of a recurrent block: constant size, whatever the sequence length."""
 
   rg_lru_state: Float[Array, "b e"]   # float32
-  conv1d_state: Float[Array, "b w e"]  # the last temporal_width - 1 inputs of the Conv1D
+  conv1d_state: Float[Array, "w b e"]  # the last temporal_width - 1 inputs (a ring, slot first)
+  tokens: Int[Array, ""]  # tokens taken so far, the same for every row (the ring's index)
 
 
 class RecurrentBlock(nnx.Module):
@@ -155,9 +162,12 @@ class RecurrentBlock(nnx.Module):
   ) -> tuple[Float[Array, "b t d"], RecurrentCache]:
     y = jax.nn.gelu(self.linear_y(x))
     x = self.linear_x(x)
-    x, conv_state = self.conv_1d(x, segment_pos, None if cache is None else cache.conv1d_state)
+    count = 0 if cache is None else cache.tokens
+    x, conv_state = self.conv_1d(x, segment_pos, None if cache is None else cache.conv1d_state,
+                                 count)
     x, h_last = self.rg_lru(x, segment_pos, None if cache is None else cache.rg_lru_state)
-    return self.linear_out(x * y), RecurrentCache(h_last, conv_state)
+    return self.linear_out(x * y), RecurrentCache(h_last, conv_state,
+                                                  jnp.asarray(count + x.shape[1], jnp.int32))
 
   def init_cache(self, batch_size: int, max_len: int, dtype) -> RecurrentCache:
     """The empty state: its size does not depend on ``max_len``."""
@@ -165,4 +175,5 @@ class RecurrentBlock(nnx.Module):
     width = self.rg_lru.a_param.value.shape[0]
     return RecurrentCache(
         jnp.zeros((batch_size, width), jnp.float32),
-        jnp.zeros((batch_size, self.conv_1d.temporal_width - 1, width), dtype))
+        jnp.zeros((self.conv_1d.temporal_width - 1, batch_size, width), dtype),
+        jnp.zeros((), jnp.int32))

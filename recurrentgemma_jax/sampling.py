@@ -82,13 +82,30 @@ def _generate(graphdef, state, tokens, segment_pos, lengths, *, params: Sampling
   return new_tokens.T, done.T, None if step_logits is None else step_logits.swapaxes(0, 1)
 
 
+def weights_in_compute_dtype(model):
+  """``model`` with its float32 weight matrices (every parameter of two or more dimensions) cast
+  to the compute dtype ``model.cfg.dtype``, once. The layers cast each of them to that dtype
+  where they use it, so results do not change; inside the decoding loop XLA redid the cast of
+  the embedding table at every step (an H100 profile of Hawk 1.3B at 2048 rows: 1.05 ms of a
+  16.5 ms step). Vectors (norm scales, biases, the RG-LRU's ``a_param``) stay float32."""
+  dtype = jnp.dtype(model.cfg.dtype)
+  if dtype == jnp.float32:
+    return model
+  graphdef, state = nnx.split(model)
+  state = jax.tree.map(
+      lambda p: p.astype(dtype) if p.ndim >= 2 and p.dtype == jnp.float32 else p, state)
+  return nnx.merge(graphdef, state)
+
+
 def decode(model, cache, logits, positions, params: SamplingParams, *, pad_id: int = 0,
            return_logits: bool = False, stream: Callable | None = None):
   """The decoding loop (one ``lax.scan``, traced inside a jit): ``params.max_new_tokens`` tokens
   per row, each chosen from the last logits (``[B, V]``) and fed through ``model.extend`` at
   the row's next position (``positions``, ``[B]``) with ``cache``. Returns ``(tokens, done,
-  logits)``, time first (``[N, B]``; the logits ``[N, B, V]`` or None)."""
+  logits)``, time first (``[N, B]``; the logits ``[N, B, V]`` or None). The loop reads the
+  weights in the compute dtype (``weights_in_compute_dtype``)."""
   stops = jnp.asarray(params.stop_tokens or (-1,), jnp.int32)
+  model = weights_in_compute_dtype(model)
 
   def step(carry, key):
     cache, last_logits, pos, done = carry

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from recurrentgemma_jax import attention as attention_lib
 from recurrentgemma_jax import model as model_lib
@@ -50,6 +51,21 @@ def test_extend_in_chunks_equals_the_full_forward(family):
     logits.append(out)
     start += size
   np.testing.assert_allclose(jnp.concatenate(logits, axis=1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["griffin", "hawk", "mqa", "gla"])
+def test_weights_cast_once_for_decoding_leave_the_logits_unchanged(family):
+  """The decoding loop's weights, cast to bfloat16 up front (matrices only), give the same
+  logits bit for bit as the float32 weights each layer casts where it uses them."""
+  cfg = tiny_config(family=family, num_layers=3, attention_window_size=3, dtype="bfloat16")
+  model = perturbed(model_lib.init_model(cfg, seed=3), seed=4, scale=0.1)
+  cast = sampling.weights_in_compute_dtype(model)
+  dtypes = {(p.ndim >= 2, p.dtype) for p in jax.tree.leaves(nnx.state(cast, nnx.Param))}
+  assert dtypes == {(True, jnp.dtype(jnp.bfloat16)), (False, jnp.dtype(jnp.float32))}, dtypes
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 53, (2, 7)), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
+  forward = nnx.jit(lambda m: m(tokens, pos))
+  np.testing.assert_array_equal(np.asarray(forward(cast)), np.asarray(forward(model)))
 
 
 def test_sampling_controls():

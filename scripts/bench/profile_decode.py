@@ -39,6 +39,8 @@ def filled_cache(model, batch: int, position: int, max_len: int):
       last = position - 1 - (position - 1 - slots) % size
       positions = jnp.where(last >= 0, last, -1).astype(jnp.int32)
       cache[i] = c._replace(positions=jnp.broadcast_to(positions, c.positions.shape))
+    elif hasattr(c, "tokens"):  # a recurrent block's count of the tokens it has taken
+      cache[i] = c._replace(tokens=jnp.asarray(position, c.tokens.dtype))
   return tuple(cache)
 
 
