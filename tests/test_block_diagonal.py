@@ -86,3 +86,22 @@ def test_griffin_with_the_gate_kernel_equals_the_xla_gates():
       "model.fused_rg_lru='yes' is not one of auto|true|false"]
   assert dataclasses.replace(cfg, gate_impl="cuda").errors() == [
       "model.gate_impl='cuda' is not one of auto|xla|pallas"]
+
+
+def test_gpu_kernel_check_script_passes_every_kernel_and_flags_a_wrong_one(monkeypatch, capsys):
+  """scripts/bench/check_gpu_kernels.py on its tiny shapes (interpreted on the CPU): every
+  kernel row passes against float64; a kernel made wrong is reported FAILED, exit status 1."""
+  from test_errors import load_script
+  check = load_script("bench/check_gpu_kernels")
+  monkeypatch.setattr("sys.argv", ["check_gpu_kernels.py", "--tiny"])
+  with pytest.raises(SystemExit) as exit_:
+    check.main()
+  rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+  assert exit_.value.code == 0 and len(rows) == 10, rows
+  assert all("| ok |" in row for row in rows), rows
+
+  wrong = lambda x, w: block_diagonal.block_diagonal_matmul(x, w, interpret=True) * 1.01
+  ok, detail = check.check("block_diagonal", wrong, check._block_diagonal_reference,
+                           [("x", (64, 4 * 16)), ("param", (4, 16, 16))], "float32",
+                           jax.random.PRNGKey(0))
+  assert not ok and float(detail.split()[0]) > 5e-3, detail

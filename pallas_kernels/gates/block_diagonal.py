@@ -12,9 +12,9 @@ row piece contiguous) and multiplies it by ``w[h]``:
 
 - forward and ``dx``: grid ``(N / rows, H)``, ``y_tile = x_tile @ w[h]`` (``dx`` uses
   ``w[h]^T``);
-- ``dw``: grid ``(N / (rows * steps), H)``. Each program accumulates ``x_tile^T dy_tile`` over
-  ``steps`` row tiles in float32 and writes one partial ``[I, J]``. The partials are summed
-  outside, over ``N / (rows * steps)``.
+- ``dw``: grid ``(N / 1024, H)``. Each program accumulates ``x_tile^T dy_tile`` over its 1024
+  rows (8 tiles of 128 rows; 16 of 64 for float32) in float32 and writes one partial
+  ``[I, J]``. The partials are summed outside, over ``N / 1024``.
 
 Triton lowering (``interpret=True``: Pallas' generic interpreter, used by the tests on the CPU).
 ``I`` and ``J`` must be powers of two of at least 16 (``supported``); ``N`` is padded inside.
@@ -30,7 +30,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 _ROWS = 128        # rows per tile
-_DW_STEPS = 8      # row tiles per dw program
+_DW_SPAN = 1024    # rows per dw program
+
+
+def _dw_rows(dtype) -> int:
+  """Rows per step of the dw loop: 128 for 2-byte inputs, 64 for float32. Triton pipelines the
+  loop's loads through shared memory; float32 tiles of 128 rows asked an H100 for 320 KiB, more
+  than its 227 KiB (a float32 Griffin-400M training step did not compile)."""
+  return _ROWS * 2 // max(jnp.dtype(dtype).itemsize, 2)
 
 
 def supported(in_block: int, out_block: int) -> bool:
@@ -61,24 +68,25 @@ def _blocks(x, w, interpret):
   )(x, w.astype(x.dtype))
 
 
-def _dw_kernel(x_ref, dy_ref, dw_ref):
+def _dw_kernel(x_ref, dy_ref, dw_ref, *, rows_per_step):
   def body(s, acc):
-    rows = pl.ds(s * _ROWS, _ROWS)
+    rows = pl.ds(s * rows_per_step, rows_per_step)
     # x_rows^T dy_rows (``pl.dot`` is gone from JAX 0.12; dot_general works in both)
     return acc + jax.lax.dot_general(x_ref[rows, :], dy_ref[rows, :], (((0,), (0,)), ((), ())),
                                      preferred_element_type=jnp.float32)
 
   i, j = dw_ref.shape[-2:]
-  dw_ref[0, 0] = jax.lax.fori_loop(0, _DW_STEPS, body, jnp.zeros((i, j), jnp.float32))
+  steps = _DW_SPAN // rows_per_step
+  dw_ref[0, 0] = jax.lax.fori_loop(0, steps, body, jnp.zeros((i, j), jnp.float32))
 
 
 def _weight_grad(x, dy, h, interpret):
-  """``sum_n x_h^T dy_h`` per block, float32, for ``N`` a multiple of ``_ROWS * _DW_STEPS``."""
+  """``sum_n x_h^T dy_h`` per block, float32, for ``N`` a multiple of ``_DW_SPAN``."""
   n = x.shape[0]
   i, j = x.shape[1] // h, dy.shape[1] // h
-  span = _ROWS * _DW_STEPS
+  span = _DW_SPAN
   partials = pl.pallas_call(
-      _dw_kernel,
+      functools.partial(_dw_kernel, rows_per_step=_dw_rows(x.dtype)),
       out_shape=jax.ShapeDtypeStruct((n // span, h, i, j), jnp.float32),
       grid=(n // span, h),
       in_specs=[pl.BlockSpec((span, i), lambda r, b: (r, b)),
@@ -108,8 +116,8 @@ def _matmul_bwd(interpret, residuals, dy):
   x, w = residuals
   n, h = x.shape[0], w.shape[0]
   dx = _blocks(_pad_rows(dy, _ROWS), jnp.swapaxes(w, 1, 2), interpret)[:n]
-  span = _ROWS * _DW_STEPS
-  dw = _weight_grad(_pad_rows(x, span), _pad_rows(dy.astype(x.dtype), span), h, interpret)
+  dw = _weight_grad(_pad_rows(x, _DW_SPAN), _pad_rows(dy.astype(x.dtype), _DW_SPAN), h,
+                    interpret)
   return dx.astype(x.dtype), dw.astype(w.dtype)
 
 

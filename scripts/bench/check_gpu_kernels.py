@@ -1,0 +1,156 @@
+"""Every Pallas kernel compiled for this machine's accelerator at model shapes, in bfloat16 and
+float32, forward and backward, against its pure-JAX reference evaluated in float64 on the host.
+
+  python scripts/bench/check_gpu_kernels.py [--dtypes bfloat16,float32] [--only rg_lru,...]
+      [--tiny]
+
+The tests run the kernels in Pallas' interpreter on a CPU; what only a real compile can show
+(a tile that needs more shared memory than the device has, a lowering that exists for one
+dtype only) shows here. One line per kernel, shape and dtype: the relative error
+(``|got - want| / |want|`` over all elements) of each output and each input gradient for a
+random cotangent, or the first line of the compile error. Exit status 1 if any row failed.
+``--tiny``: small shapes, for a CPU check of the script (the kernels then run interpreted).
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pallas_kernels  # noqa: E402
+from pallas_kernels.gates import block_diagonal  # noqa: E402
+
+# Relative error allowed for each compute dtype: bfloat16 inputs are rounded before both the
+# kernel and the reference see them, so what is left is the kernel's own rounding.
+TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
+# Triton takes float32 dots at their default precision in TF32 (10-bit mantissa), as XLA's
+# float32 dots on a GPU do: the H100 measured 2.9e-4 at the gate shape.
+TOLERANCE_OVERRIDES = {("block_diagonal", "float32"): 1e-3}
+
+
+def _block_diagonal_reference(x, w):
+  h, i, j = w.shape
+  y = jnp.einsum("nhi,hij->nhj", x.reshape(-1, h, i), w.astype(x.dtype))
+  return y.reshape(x.shape[0], h * j)
+
+
+def cases(tiny: bool):
+  """(name, kernel, reference, input shapes and kinds) at the shapes the models use."""
+  b, t, d = (2, 40, 48) if tiny else (16, 2048, 2048)          # Griffin 400M's RG-LRU layer
+  # GLA 340M's heads, 2 rows (the kernels' tiles do not depend on the batch; the float64
+  # reference on the host is the slow part)
+  gla = (1, 40, 2, 16) if tiny else (2, 2048, 16, 64)
+  gla128 = (1, 40, 2, 32) if tiny else (2, 2048, 8, 128)
+  bd = (64, 4, 16, 16) if tiny else (32768, 16, 128, 128)      # rows, blocks, in, out
+  rg = lambda x, gx, ga, p, r: pallas_kernels.rg_lru(x, gx, ga, p, r)
+  rg_ref = lambda x, gx, ga, p, r: pallas_kernels.rg_lru_reference(x, gx, ga, p, r)
+  yield ("rg_lru", rg, rg_ref,
+         [("x", (b, t, d)), ("x", (b, t, d)), ("x", (b, t, d)), ("param", (d,)), ("reset", (b, t))])
+  yield ("linear_scan", pallas_kernels.linear_scan, pallas_kernels.linear_scan_reference,
+         [("x", (b, t, d)), ("decay", (b, t, d))])
+  for q in (gla, gla128):
+    g = lambda q, k, v, lg: pallas_kernels.chunk_gla(q, k, v, lg)
+    g_ref = lambda q, k, v, lg: pallas_kernels.gla_reference(q, k, v, lg)
+    yield ("chunk_gla", g, g_ref, [("x", q), ("x", q), ("x", q), ("log_gate", q)])
+  n, h, i, j = bd
+  interpret = jax.default_backend() == "cpu"  # a Triton kernel: interpreted on a CPU
+  bdm = lambda x, w: block_diagonal.block_diagonal_matmul(x, w, interpret=interpret)
+  yield ("block_diagonal", bdm, _block_diagonal_reference,
+         [("x", (n, h * i)), ("param", (h, i, j))])
+
+
+def make_inputs(specs, dtype, key):
+  out = []
+  for (kind, shape), k in zip(specs, jax.random.split(key, len(specs))):
+    if kind == "reset":
+      out.append(jax.random.bernoulli(k, 0.002, shape))
+    elif kind == "param":
+      out.append(jax.random.normal(k, shape, jnp.float32))
+    elif kind == "decay":
+      out.append(jax.random.uniform(k, shape, jnp.float32, 0.8, 1.0).astype(dtype))
+    elif kind == "log_gate":
+      out.append(jax.nn.log_sigmoid(4.0 + jax.random.normal(k, shape)).astype(dtype))
+    else:
+      out.append(jax.random.normal(k, shape).astype(dtype))
+  return out
+
+
+def _as_tuple(out):
+  return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def forward_and_grads(fn, inputs, cotangents):
+  """The outputs and the gradients of the float inputs for the given output cotangents."""
+  diff = [i for i, a in enumerate(inputs) if jnp.issubdtype(a.dtype, jnp.floating)]
+
+  def f(*args):
+    full = list(inputs)
+    for i, a in zip(diff, args):
+      full[i] = a
+    return _as_tuple(fn(*full))
+
+  outs, vjp = jax.vjp(f, *[inputs[i] for i in diff])
+  return list(outs), list(vjp(tuple(c.astype(o.dtype) for c, o in zip(cotangents, outs))))
+
+
+def rel_error(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def _float64(a):
+  return np.asarray(a, np.float64 if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype)
+
+
+def check(name, fn, ref, specs, dtype, key):
+  inputs = make_inputs(specs, dtype, key)
+  kernel = jax.jit(lambda a, c: forward_and_grads(fn, a, c))
+  try:
+    shapes = jax.eval_shape(lambda *a: _as_tuple(fn(*a)), *inputs)
+    cts = [jax.random.normal(k, s.shape).astype(s.dtype)
+           for s, k in zip(shapes, jax.random.split(jax.random.fold_in(key, 1), len(shapes)))]
+    outs, grads = kernel(list(inputs), cts)
+    jax.block_until_ready((outs, grads))
+  except Exception as e:  # pylint: disable=broad-except  (reported, the run goes on)
+    return False, " / ".join(str(e).strip().splitlines())[:300]
+  cpu = jax.devices("cpu")[0]
+  with jax.enable_x64(True):
+    wide = [jax.device_put(_float64(a), cpu) for a in inputs]
+    wide_cts = [jax.device_put(_float64(c), cpu) for c in cts]
+    want_outs, want_grads = jax.jit(lambda a, c: forward_and_grads(ref, a, c),
+                                    device=cpu)(wide, wide_cts)
+  errors = [rel_error(g, w) for g, w in zip(outs + grads, list(want_outs) + list(want_grads))]
+  ok = max(errors) <= TOLERANCE_OVERRIDES.get((name, dtype), TOLERANCE[dtype])
+  return ok, " ".join(f"{e:.1e}" for e in errors)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--dtypes", default="bfloat16,float32")
+  parser.add_argument("--only", default="", help="kernel names, comma-separated")
+  parser.add_argument("--tiny", action="store_true")
+  args = parser.parse_args()
+  dev = jax.devices()[0]
+  print(f"{dev.device_kind}, jax {jax.__version__}")
+  print("| kernel | shapes | dtype | result | relative errors (outputs, then gradients) |")
+  print("|---|---|---|---|---|")
+  failed = 0
+  for n, (name, fn, ref, specs) in enumerate(cases(args.tiny)):
+    if args.only and name not in args.only.split(","):
+      continue
+    for dtype in args.dtypes.split(","):
+      ok, detail = check(name, fn, ref, specs, dtype, jax.random.PRNGKey(n))
+      failed += not ok
+      shapes = " ".join("x".join(map(str, s)) for _, s in specs)
+      print(f"| {name} | {shapes} | {dtype} | {'ok' if ok else 'FAILED'} | {detail} |",
+            flush=True)
+  sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+  main()
