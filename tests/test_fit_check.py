@@ -142,3 +142,24 @@ def test_a_device_out_of_memory_while_compiling_is_named_as_such(monkeypatch):
   assert message.startswith("the step did not compile: the device ran out of memory while "
                             "compiling") and error in message and "0.0 KiB" not in message
   assert "XLA_PYTHON_CLIENT_PREALLOCATE=false" in message and "\n" not in message
+
+
+def test_a_kernel_out_of_shared_memory_is_not_called_a_device_out_of_memory(monkeypatch):
+  """A Pallas kernel whose tiles exceed an SM's shared memory (as the gate kernel's float32
+  tiles once did on an H100) gets its own line, with the XLA paths that avoid the kernels."""
+  from recurrentgemma_jax import aot, configlib, train  # pylint: disable=g-import-not-at-top
+  config = configlib.load(os.path.join(ROOT, "configs", "default.py"))
+  plan = train.setup(config)
+  error = ("RESOURCE_EXHAUSTED: Shared memory size limit exceeded: requested 327680, "
+           "available: 232448")
+  class Failing:
+    def compile(self):
+      raise RuntimeError(error)
+  compiled = aot._compile(Failing())
+  assert compiled.compiled is None and not compiled.out_of_memory
+  monkeypatch.setattr(aot, "_compile", lambda lowered: compiled)
+  with pytest.raises(aot.CompileError) as refused:
+    aot.fit_check(config, plan)
+  message = str(refused.value)
+  assert "shared memory" in message and "327680" in message and "out of memory" not in message
+  assert "--config.model.gate_impl=xla" in message and "\n" not in message
