@@ -100,27 +100,37 @@ def weights_in_compute_dtype(model):
 def decode(model, cache, logits, positions, params: SamplingParams, *, pad_id: int = 0,
            return_logits: bool = False, stream: Callable | None = None):
   """The decoding loop (one ``lax.scan``, traced inside a jit): ``params.max_new_tokens`` tokens
-  per row, each chosen from the last logits (``[B, V]``) and fed through ``model.extend`` at
-  the row's next position (``positions``, ``[B]``) with ``cache``. Returns ``(tokens, done,
-  logits)``, time first (``[N, B]``; the logits ``[N, B, V]`` or None). The loop reads the
-  weights in the compute dtype (``weights_in_compute_dtype``)."""
+  per row, the first chosen from ``logits`` (``[B, V]``, the prompt's last), each fed through
+  ``model.extend`` at the row's next position (``positions``, ``[B]``) with ``cache`` and the
+  next chosen from its logits in the same step. Returns ``(tokens, done, logits)``, time first
+  (``[N, B]``; the logits each token came from ``[N, B, V]``, or None). The loop carries the
+  chosen token, not the ``[B, V]`` logits (float32: at 2048 rows and a 256K vocabulary, 2 GB
+  written and read again at every step), and reads the weights in the compute dtype
+  (``weights_in_compute_dtype``)."""
   stops = jnp.asarray(params.stop_tokens or (-1,), jnp.int32)
   model = weights_in_compute_dtype(model)
 
+  def pick(logits, key, done):
+    return jnp.where(done, pad_id, choose(logits, key, params.temperature, params.top_k,
+                                         params.top_p))
+
   def step(carry, key):
-    cache, last_logits, pos, done = carry
-    token = jnp.where(done, pad_id, choose(last_logits, key, params.temperature, params.top_k,
-                                          params.top_p))
+    cache, token, pos, done, token_logits = carry
     if stream is not None:
       jax.debug.callback(stream, token, done, ordered=True)
     done = done | jnp.isin(token, stops)
     logits, cache = model.extend(token[:, None], pos[:, None], cache)
-    out = (token, done, last_logits if return_logits else None)
-    return (cache, logits[:, 0], pos + 1, done), out
+    logits = logits[:, 0]
+    out = (token, done, token_logits)
+    return (cache, pick(logits, key, done), pos + 1, done,
+            logits if return_logits else None), out
 
+  # token t is chosen with keys[t]; the last step's choice is not used
   keys = jax.random.split(jax.random.PRNGKey(params.seed), params.max_new_tokens)
-  init = (cache, logits, positions, jnp.zeros((logits.shape[0],), bool))
-  return jax.lax.scan(step, init, keys)[1]
+  not_done = jnp.zeros((logits.shape[0],), bool)
+  init = (cache, pick(logits, keys[0], not_done), positions, not_done,
+          logits if return_logits else None)
+  return jax.lax.scan(step, init, jnp.roll(keys, -1, axis=0))[1]
 
 
 def lower_sample(graphdef, state, prompts: Sequence[Sequence[int]],
