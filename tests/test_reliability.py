@@ -310,7 +310,8 @@ def _interrupt_at_random_moments(tmp_path, cache, reference, duration, rng, inte
                                  count=20):
   """Starts the fault run, ``interrupt(run, workdir, restorable)``s it (``restorable``: it
   started with a checkpoint to resume from) at a uniformly random moment of the next twelfth of
-  its uninterrupted training time, and restarts it, ``count`` times. A workdir
+  its uninterrupted training time (a fresh run: after its first save), and restarts it,
+  ``count`` times. A workdir
   whose run completed between interruptions is checked against ``reference`` and the next
   interruptions go to a fresh one; the last is run to its end and checked too."""
   def finish(workdir):  # the same command once more: it completes what is left (an evaluation)
@@ -328,6 +329,13 @@ def _interrupt_at_random_moments(tmp_path, cache, reference, duration, rng, inte
     restorable = os.path.isdir(workdir / "checkpoints") and bool(saved_steps(workdir))
     run = Started(train_cmd(workdir, *FAULT_STEPS), env(cache))
     assert run.wait_for(" of 48"), run.output()[-3000:]  # the model line: restored or new
+    if not restorable:
+      # A fresh run first saves once, so that the next start resumes: on a loaded machine the
+      # random moment below came before the first save again and again (2 of 20 resumes).
+      deadline = time.time() + 120
+      while run.proc.poll() is None and time.time() < deadline and not (
+          os.path.isdir(workdir / "checkpoints") and saved_steps(workdir)):
+        time.sleep(0.02)
     time.sleep(rng.uniform(0.0, duration / 12))
     if run.proc.poll() is not None:  # it finished first: nothing to interrupt
       assert run.output() and run.proc.returncode == 0
