@@ -87,7 +87,9 @@ def weights_in_compute_dtype(model):
   to the compute dtype ``model.cfg.dtype``, once. The layers cast each of them to that dtype
   where they use it, so results do not change; inside the decoding loop XLA redid the cast of
   the embedding table at every step (an H100 profile of Hawk 1.3B at 2048 rows: 1.05 ms of a
-  16.5 ms step). Vectors (norm scales, biases, the RG-LRU's ``a_param``) stay float32."""
+  16.5 ms step). Vectors (norm scales, biases, the RG-LRU's ``a_param``) stay float32. The
+  copy lives for the whole loop: with float32 weights and bfloat16 compute it adds half the
+  weights' size to the program's memory, which ``sample.py``'s fit check counts."""
   dtype = jnp.dtype(model.cfg.dtype)
   if dtype == jnp.float32:
     return model
