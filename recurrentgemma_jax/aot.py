@@ -289,8 +289,13 @@ def _compile(lowered) -> Program:
   except Exception as e:  # pylint: disable=broad-except  (XLA raises JaxRuntimeError)
     text = str(e)
     elapsed = time.perf_counter() - started
-    shared_memory = "shared memory size limit" in text.lower()  # a kernel's tiles, not HBM
-    if ("RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()) and not shared_memory:
+    if "shared memory size limit" in text.lower():  # a kernel's tiles, not the device's memory
+      return Program(None, Memory(), elapsed,
+                     f"a kernel's tiles need more shared memory than the device has "
+                     f"({first_line(e, 400)}); the XLA paths avoid the Pallas kernels: "
+                     f"--config.model.fused_rg_lru=false --config.model.gate_impl=xla "
+                     f"--config.model.scan_impl=xla_linear (please report the config)")
+    if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
       memory = Memory()
       for pattern in _OOM_PATTERNS:
         m = re.search(pattern, text)
@@ -585,12 +590,6 @@ def fit_check(config: ml_collections.ConfigDict, plan, *, log=lambda _: None) ->
         f"they need --config.zero=3 over at least {math.ceil(total / limit)} such devices")
   report = compile_step(config, devices, hbm_bytes=limit, analyse=False, plan=plan)
   failed = [p for p in report.programs if p.compiled is None and not p.out_of_memory]
-  if failed and "shared memory size limit" in failed[0].error.lower():
-    raise CompileError(
-        f"the step did not compile: a kernel's tiles need more shared memory than the device "
-        f"has ({failed[0].error}); the XLA paths avoid the Pallas kernels: "
-        f"--config.model.fused_rg_lru=false --config.model.gate_impl=xla "
-        f"--config.model.scan_impl=xla_linear (please report the config)")
   if failed:
     raise CompileError(f"the step did not compile: {failed[0].error}")
   unsized = [p for p in report.programs if p.out_of_memory and p.memory.needed is None]

@@ -84,13 +84,12 @@ def _weight_grad(x, dy, h, interpret):
   """``sum_n x_h^T dy_h`` per block, float32, for ``N`` a multiple of ``_DW_SPAN``."""
   n = x.shape[0]
   i, j = x.shape[1] // h, dy.shape[1] // h
-  span = _DW_SPAN
   partials = pl.pallas_call(
       functools.partial(_dw_kernel, rows_per_step=_dw_rows(x.dtype)),
-      out_shape=jax.ShapeDtypeStruct((n // span, h, i, j), jnp.float32),
-      grid=(n // span, h),
-      in_specs=[pl.BlockSpec((span, i), lambda r, b: (r, b)),
-                pl.BlockSpec((span, j), lambda r, b: (r, b))],
+      out_shape=jax.ShapeDtypeStruct((n // _DW_SPAN, h, i, j), jnp.float32),
+      grid=(n // _DW_SPAN, h),
+      in_specs=[pl.BlockSpec((_DW_SPAN, i), lambda r, b: (r, b)),
+                pl.BlockSpec((_DW_SPAN, j), lambda r, b: (r, b))],
       out_specs=pl.BlockSpec((1, 1, i, j), lambda r, b: (r, b, 0, 0)),
       compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4),
       interpret=interpret,

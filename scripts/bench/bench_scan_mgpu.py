@@ -10,7 +10,8 @@ at B=8, D=2560, bfloat16 x and a, float32 carry, h0 = 0: our Triton ``linear_sca
 Mosaic GPU kernel for each ``--mgpu`` config (``rows:block_d:stages:y_stages``). Times are
 ``timing.time_fn`` (median of --iters timings of 5 back-to-back calls); "% ceiling" is the byte
 floor (read x and a, write y: 3 bf16 [B, T, D] arrays) over the time, over the PyTorch 2 GiB
-device-to-device copy ceiling measured in the same run. Every variant runs in its own try/except, so one failure does not stop the rest.
+device-to-device copy ceiling measured in the same run. Every variant runs in its own
+try/except, so one failure does not stop the rest.
 """
 
 from __future__ import annotations

@@ -47,16 +47,13 @@ def cases(tiny: bool):
   gla = (1, 40, 2, 16) if tiny else (2, 2048, 16, 64)
   gla128 = (1, 40, 2, 32) if tiny else (2, 2048, 8, 128)
   bd = (64, 4, 16, 16) if tiny else (32768, 16, 128, 128)      # rows, blocks, in, out
-  rg = lambda x, gx, ga, p, r: pallas_kernels.rg_lru(x, gx, ga, p, r)
-  rg_ref = lambda x, gx, ga, p, r: pallas_kernels.rg_lru_reference(x, gx, ga, p, r)
-  yield ("rg_lru", rg, rg_ref,
+  yield ("rg_lru", pallas_kernels.rg_lru, pallas_kernels.rg_lru_reference,
          [("x", (b, t, d)), ("x", (b, t, d)), ("x", (b, t, d)), ("param", (d,)), ("reset", (b, t))])
   yield ("linear_scan", pallas_kernels.linear_scan, pallas_kernels.linear_scan_reference,
          [("x", (b, t, d)), ("decay", (b, t, d))])
   for q in (gla, gla128):
-    g = lambda q, k, v, lg: pallas_kernels.chunk_gla(q, k, v, lg)
-    g_ref = lambda q, k, v, lg: pallas_kernels.gla_reference(q, k, v, lg)
-    yield ("chunk_gla", g, g_ref, [("x", q), ("x", q), ("x", q), ("log_gate", q)])
+    yield ("chunk_gla", pallas_kernels.chunk_gla, pallas_kernels.gla_reference,
+           [("x", q), ("x", q), ("x", q), ("log_gate", q)])
   n, h, i, j = bd
   interpret = jax.default_backend() == "cpu"  # a Triton kernel: interpreted on a CPU
   bdm = lambda x, w: block_diagonal.block_diagonal_matmul(x, w, interpret=interpret)

@@ -29,7 +29,7 @@ def filled_cache(model, batch: int, position: int, max_len: int):
   """``model.init_cache`` with every attention cache holding positions ``0 .. position - 1``
   of one document (a ring buffer the last ``size`` of them), as after a prefill."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from recurrentgemma_jax import attention  # pylint: disable=g-import-not-at-top
+  from recurrentgemma_jax import attention, recurrent  # pylint: disable=g-import-not-at-top
   cache = list(model.init_cache(batch, max_len))
   for i, c in enumerate(cache):
     if isinstance(c, attention.AttentionCache):
@@ -39,7 +39,7 @@ def filled_cache(model, batch: int, position: int, max_len: int):
       last = position - 1 - (position - 1 - slots) % size
       positions = jnp.where(last >= 0, last, -1).astype(jnp.int32)
       cache[i] = c._replace(positions=jnp.broadcast_to(positions, c.positions.shape))
-    elif hasattr(c, "tokens"):  # a recurrent block's count of the tokens it has taken
+    elif isinstance(c, recurrent.RecurrentCache):  # the count of tokens it has taken
       cache[i] = c._replace(tokens=jnp.asarray(position, c.tokens.dtype))
   return tuple(cache)
 
