@@ -54,16 +54,75 @@ def _masked_attention(q, keys, values, mask, scale):
   return jnp.einsum("bnts,bsh->btnh", probs, values)
 
 
-def fused_attention(q, k, v, segment_pos, window, scale, implementation=None):
-  """Within-row attention through ``jax.nn.dot_product_attention`` (``implementation="cudnn"``:
-  cuDNN's flash attention, bfloat16/float16 on NVIDIA GPUs; the T x T scores are never stored).
-  Causality and the window are the kernel's own masks; only the same-document mask of packed
-  rows is passed as a boolean mask. q: [B, T, N, H]; k, v: [B, T, H]."""
+def masked_attention(q, k, v, segment_pos, window, scale, implementation=None):
+  """Within-row attention through ``jax.nn.dot_product_attention``, the same-document mask of
+  packed rows passed as a dense ``[B, 1, T, T]`` mask; causality and the window are the
+  kernel's own masks. q: [B, T, N, H]; k, v: [B, T, H]."""
   doc = layers.document_ids(segment_pos)
   same_doc = (doc[:, :, None] == doc[:, None, :])[:, None]  # [B, 1, T, T]
   return jax.nn.dot_product_attention(
       q, k[:, :, None], v[:, :, None], mask=same_doc, scale=scale, is_causal=True,
       local_window_size=None if window is None else (window, 0), implementation=implementation)
+
+
+def document_segments(segment_pos: Int[Array, "b t"], max_segments: int):
+  """The documents of each row as cuDNN's packed segments: ``(lengths, offsets, count)``,
+  int32 ``[B, M]``, ``[B, M + 1]`` (``M = max_segments``; -1 past a row's last document) and
+  ``[B]`` (documents in each row; the segments cover the row only where ``count <= M``)."""
+  t = segment_pos.shape[1]
+  start = (segment_pos == 0) | (jnp.arange(t) == 0)[None]
+  doc = jnp.cumsum(start, axis=-1, dtype=jnp.int32) - 1  # 0-based document of each token
+  count = doc[:, -1] + 1
+  used = jnp.arange(max_segments)[None] < count[:, None]
+  lengths = jnp.sum(doc[:, :, None] == jnp.arange(max_segments)[None, None], axis=1,
+                    dtype=jnp.int32)
+  offsets = jnp.cumsum(lengths, axis=-1, dtype=jnp.int32) - lengths
+  lengths, offsets = jnp.where(used, lengths, -1), jnp.where(used, offsets, -1)
+  offsets = jnp.pad(offsets, ((0, 0), (0, 1)), constant_values=-1)
+  return lengths, offsets, count
+
+
+# Documents a row may have for cuDNN's packed segments; rows with more take the dense mask.
+# Its cost grows with this bound (docs/performance.md, "Attention without a dense mask").
+MAX_SEGMENTS = 4
+
+
+def fused_attention(q, k, v, segment_pos, window, scale, implementation=None,
+                    max_segments=MAX_SEGMENTS):
+  """Within-row attention as one fused kernel: cuDNN's flash attention for
+  ``implementation="cudnn"`` (bfloat16/float16 on NVIDIA GPUs; the T x T scores are never
+  stored), ``masked_attention`` otherwise. q: [B, T, N, H]; k, v: [B, T, H].
+
+  A dense mask costs cuDNN a ``[B, 1, T, T]`` bias read in the forward and a bias gradient
+  written in the backward (jax always asks for it), 1.8x the time of causal attention alone.
+  So the documents are given as the kernel's own masks wherever they can be, chosen at run
+  time (``lax.switch``) from the rows at hand: causal only where every row is one document,
+  cuDNN's packed segments where every row has at most ``max_segments``, the dense mask
+  otherwise. The packed form goes through jax's cuDNN module (``jax._src``), as
+  ``jax.nn.dot_product_attention`` does not take segments."""
+  if implementation != "cudnn":
+    return masked_attention(q, k, v, segment_pos, window, scale, implementation)
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn  # pylint: disable=g-import-not-at-top
+  lengths, offsets, count = document_segments(segment_pos, max_segments)
+  sliding = None if window is None else window + 1  # cuDNN counts the query itself
+
+  def causal(q, k, v):
+    return cudnn.dot_product_attention(q, k[:, :, None], v[:, :, None], scale=scale,
+                                       mask_type=cudnn.MaskType.CAUSAL,
+                                       sliding_window_length=sliding)
+
+  def packed(q, k, v):
+    return cudnn.dot_product_attention(
+        q, k[:, :, None], v[:, :, None], q_seqlen=lengths, kv_seqlen=lengths,
+        q_offsets=offsets, kv_offsets=offsets, scale=scale,
+        mask_type=cudnn.MaskType.PADDING_CAUSAL, sliding_window_length=sliding)
+
+  def masked(q, k, v):
+    return masked_attention(q, k, v, segment_pos, window, scale, implementation)
+
+  most = jnp.max(count)
+  branch = jnp.where(most <= 1, 0, jnp.where(most <= max_segments, 1, 2))
+  return jax.lax.switch(branch, (causal, packed, masked), q, k, v)
 
 
 class AttentionCache(NamedTuple):

@@ -1,6 +1,7 @@
 """The model library: packing, gradients (finite differences, float64), the pure-JAX scans."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -185,11 +186,85 @@ def test_fused_attention_arguments_give_our_masks(window):
     return jnp.sum(jnp.sin(attention._masked_attention(q, k, v, mask, 0.3)))
 
   def fused(q, k, v):
-    return jnp.sum(jnp.sin(attention.fused_attention(q, k, v, pos, window, 0.3, "xla")))
+    return jnp.sum(jnp.sin(attention.masked_attention(q, k, v, pos, window, 0.3, "xla")))
 
   np.testing.assert_allclose(fused(q, k, v), ours(q, k, v), rtol=1e-5)
   for g_fused, g_ours in zip(jax.grad(fused, (0, 1, 2))(q, k, v), jax.grad(ours, (0, 1, 2))(q, k, v)):
     np.testing.assert_allclose(g_fused, g_ours, atol=1e-5, rtol=1e-5)
+
+
+def test_document_segments_match_a_numpy_count():
+  from recurrentgemma_jax import attention
+  rng = np.random.default_rng(3)
+  pos = np.zeros((6, 40), np.int32)
+  for b in range(6):  # rows of 1..6 documents, some starting mid-document
+    cuts = np.sort(rng.choice(np.arange(1, 40), b, replace=False))
+    for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, 40]):
+      pos[b, lo:hi] = np.arange(hi - lo) + (5 if lo == 0 and b % 2 else 0)
+  lengths, offsets, count = attention.document_segments(jnp.asarray(pos), 4)
+  for b in range(6):
+    starts = [0] + [i for i in range(1, 40) if pos[b, i] == 0]
+    sizes = np.diff(starts + [40])
+    assert count[b] == len(starts) == b + 1
+    m = min(len(starts), 4)
+    np.testing.assert_array_equal(lengths[b], list(sizes[:m]) + [-1] * (4 - m))
+    np.testing.assert_array_equal(offsets[b], starts[:m] + [-1] * (5 - m))
+
+
+def _cudnn_semantics(q, k, v, q_seqlen=None, kv_seqlen=None, q_offsets=None, kv_offsets=None,
+                     *, scale, mask_type, sliding_window_length=None):
+  """What jax's cuDNN attention computes, written in jnp for the CPU: causal within each
+  packed segment (rows without offsets: one segment), ``sliding_window_length`` keys."""
+  del kv_seqlen, kv_offsets, mask_type
+  b, t = q.shape[:2]
+  i = jnp.arange(t)
+  if q_offsets is None:
+    seg = jnp.zeros((b, t), jnp.int32)
+  else:
+    inside = ((q_offsets[:, :-1, None] <= i) & (i < q_offsets[:, :-1, None] + q_seqlen[:, :, None])
+              & (q_seqlen[:, :, None] >= 0))  # [B, M, T]
+    seg = jnp.where(inside.any(1), jnp.argmax(inside, axis=1), -1)
+  allowed = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0) & (i[:, None] >= i)
+  if sliding_window_length is not None:
+    allowed &= i[:, None] - i < sliding_window_length
+  logits = jnp.einsum("btnh,bsh->bnts", q, k[:, :, 0]) * scale
+  probs = jax.nn.softmax(jnp.where(allowed[:, None], logits, -1e30), axis=-1)
+  return jnp.einsum("bnts,bsh->btnh", probs, v[:, :, 0])
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("docs", [1, 3, 6])
+def test_fused_attention_gives_each_document_its_own_attention(monkeypatch, window, docs):
+  # fused_attention picks causal (one document a row), packed segments (at most 4) or the dense
+  # mask (more) at run time; with cuDNN's semantics written out in jnp (a CPU has no cuDNN),
+  # each choice must equal our masks, gradients included. On an H100 the real kernels are
+  # checked against XLA by scripts/bench/bench_attention.py.
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+  from recurrentgemma_jax import attention
+  monkeypatch.setattr(cudnn, "dot_product_attention", _cudnn_semantics)
+  masked = attention.masked_attention
+  monkeypatch.setattr(attention, "masked_attention",
+                      lambda *a, **kw: masked(*a[:6], implementation="xla"))
+  rng = np.random.default_rng(docs)
+  q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32)
+             for s in ((3, 24, 2, 8), (3, 24, 8), (3, 24, 8)))
+  pos = np.zeros((3, 24), np.int32)
+  for b in range(3):
+    cuts = np.sort(rng.choice(np.arange(1, 24), docs - 1, replace=False))
+    for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, 24]):
+      pos[b, lo:hi] = np.arange(hi - lo) + (2 if lo == 0 and b == 1 else 0)
+  pos = jnp.asarray(pos)
+
+  def loss(fn):
+    return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v, pos, window, 0.3)))
+
+  fused = loss(functools.partial(attention.fused_attention, implementation="cudnn",
+                                 max_segments=4))
+  want = loss(functools.partial(masked, implementation="xla"))
+  np.testing.assert_allclose(jax.jit(fused)(q, k, v), want(q, k, v), rtol=1e-5)
+  for got, ref in zip(jax.jit(jax.grad(fused, (0, 1, 2)))(q, k, v),
+                      jax.grad(want, (0, 1, 2))(q, k, v)):
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_attention_impl_auto_picks_xla_off_gpus_and_explicit_choices_stand():
