@@ -72,3 +72,44 @@ def build_tiny_tfds(root: str, train_docs: list[str], eval_docs: list[str]) -> s
   _TINY_TFDS_BUILDER.documents = {"train": list(train_docs), "validation": list(eval_docs)}
   _TINY_TFDS_BUILDER(data_dir=root, file_format="array_record").download_and_prepare()
   return root
+
+
+def cudnn_semantics(q, k, v, q_seqlen=None, kv_seqlen=None, q_offsets=None, kv_offsets=None,
+                    *, scale, mask_type, sliding_window_length=None):
+  """What jax's cuDNN attention computes, written in jnp for the CPU: causal within each
+  packed segment (rows without offsets: one segment), ``sliding_window_length`` keys."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  del kv_seqlen, kv_offsets, mask_type
+  b, t = q.shape[:2]
+  i = jnp.arange(t)
+  if q_offsets is None:
+    seg = jnp.zeros((b, t), jnp.int32)
+  else:
+    inside = ((q_offsets[:, :-1, None] <= i) & (i < q_offsets[:, :-1, None] + q_seqlen[:, :, None])
+              & (q_seqlen[:, :, None] >= 0))  # [B, M, T]
+    seg = jnp.where(inside.any(1), jnp.argmax(inside, axis=1), -1)
+  allowed = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0) & (i[:, None] >= i)
+  if sliding_window_length is not None:
+    allowed &= i[:, None] - i < sliding_window_length
+  logits = jnp.einsum("btnh,bsh->bnts", q, k[:, :, 0]) * scale
+  probs = jax.nn.softmax(jnp.where(allowed[:, None], logits, -1e30), axis=-1)
+  return jnp.einsum("bnts,bsh->btnh", probs, v[:, :, 0])
+
+
+def cudnn_attention_on_cpu(monkeypatch, record=None):
+  """Makes ``attention.fused_attention(..., implementation="cudnn")`` run on a CPU: jax's cuDNN
+  attention becomes ``cudnn_semantics`` (called with ``record(q)`` first, if given) and the
+  dense-mask branch the XLA implementation."""
+  import jax._src.cudnn.fused_attention_stablehlo as cudnn  # pylint: disable=g-import-not-at-top
+  from recurrentgemma_jax import attention  # pylint: disable=g-import-not-at-top
+
+  def fake(q, *args, **kwargs):
+    if record is not None:
+      record(q)
+    return cudnn_semantics(q, *args, **kwargs)
+
+  masked = attention.masked_attention
+  monkeypatch.setattr(cudnn, "dot_product_attention", fake)
+  monkeypatch.setattr(attention, "masked_attention",
+                      lambda *a, **kw: masked(*a[:6], implementation="xla"))

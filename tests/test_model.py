@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from jax.test_util import check_grads
 
+import helpers
 from recurrentgemma_jax import model as model_lib
 from recurrentgemma_jax import scan as scan_lib
 
@@ -211,27 +212,6 @@ def test_document_segments_match_a_numpy_count():
     np.testing.assert_array_equal(offsets[b], starts[:m] + [-1] * (5 - m))
 
 
-def _cudnn_semantics(q, k, v, q_seqlen=None, kv_seqlen=None, q_offsets=None, kv_offsets=None,
-                     *, scale, mask_type, sliding_window_length=None):
-  """What jax's cuDNN attention computes, written in jnp for the CPU: causal within each
-  packed segment (rows without offsets: one segment), ``sliding_window_length`` keys."""
-  del kv_seqlen, kv_offsets, mask_type
-  b, t = q.shape[:2]
-  i = jnp.arange(t)
-  if q_offsets is None:
-    seg = jnp.zeros((b, t), jnp.int32)
-  else:
-    inside = ((q_offsets[:, :-1, None] <= i) & (i < q_offsets[:, :-1, None] + q_seqlen[:, :, None])
-              & (q_seqlen[:, :, None] >= 0))  # [B, M, T]
-    seg = jnp.where(inside.any(1), jnp.argmax(inside, axis=1), -1)
-  allowed = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0) & (i[:, None] >= i)
-  if sliding_window_length is not None:
-    allowed &= i[:, None] - i < sliding_window_length
-  logits = jnp.einsum("btnh,bsh->bnts", q, k[:, :, 0]) * scale
-  probs = jax.nn.softmax(jnp.where(allowed[:, None], logits, -1e30), axis=-1)
-  return jnp.einsum("bnts,bsh->btnh", probs, v[:, :, 0])
-
-
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("docs", [1, 3, 6])
 def test_fused_attention_gives_each_document_its_own_attention(monkeypatch, window, docs):
@@ -239,12 +219,9 @@ def test_fused_attention_gives_each_document_its_own_attention(monkeypatch, wind
   # mask (more) at run time; with cuDNN's semantics written out in jnp (a CPU has no cuDNN),
   # each choice must equal our masks, gradients included. On an H100 the real kernels are
   # checked against XLA by scripts/bench/bench_attention.py.
-  from jax._src.cudnn import fused_attention_stablehlo as cudnn
   from recurrentgemma_jax import attention
-  monkeypatch.setattr(cudnn, "dot_product_attention", _cudnn_semantics)
   masked = attention.masked_attention
-  monkeypatch.setattr(attention, "masked_attention",
-                      lambda *a, **kw: masked(*a[:6], implementation="xla"))
+  helpers.cudnn_attention_on_cpu(monkeypatch)
   rng = np.random.default_rng(docs)
   q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32)
              for s in ((3, 24, 2, 8), (3, 24, 8), (3, 24, 8)))

@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import helpers
 from helpers import ROOT, run_script, script_env
 from recurrentgemma_jax import attention, configlib, data, train
 from recurrentgemma_jax import model as model_lib
@@ -324,11 +325,10 @@ def test_the_models_kernels_see_only_their_devices_shard(monkeypatch):
   pos = jnp.broadcast_to(jnp.arange(16), (8, 16))
   monkeypatch.setattr(pallas_kernels, "chunk_gla", recording("gla", pallas_kernels.chunk_gla))
   gla = model_lib.init_model(dataclasses.replace(cfg, family="gla", num_heads=4), 0)
-  # cuDNN attention (a GPU kernel) stands in for itself through the XLA path, which takes
-  # the same arguments.
-  fused = attention.fused_attention
-  monkeypatch.setattr(attention, "fused_attention", recording(
-      "cudnn attention", lambda *a, implementation: fused(*a, implementation=None)))
+  # cuDNN attention (a GPU kernel) runs as its semantics in jnp; the model's own
+  # fused_attention (documents, lax.switch) runs around it on each device.
+  helpers.cudnn_attention_on_cpu(
+      monkeypatch, record=lambda q: seen["cudnn attention"].add(tuple(q.shape)))
   mqa = model_lib.init_model(dataclasses.replace(
       cfg, family="mqa", num_heads=4, block_types=("global_attention",),
       attention_impl="cudnn"), 0)
