@@ -83,12 +83,21 @@ def document_segments(segment_pos: Int[Array, "b t"], max_segments: int):
 
 
 # Documents a row may have for cuDNN's packed segments; rows with more take the dense mask.
-# Its cost grows with this bound (docs/performance.md, "Attention without a dense mask").
+# Its cost grows with this bound (docs/performance.md, "attention without a dense mask").
 MAX_SEGMENTS = 4
 
 
+def packed_segments_supported() -> bool:
+  """Whether cuDNN's packed segments run here: jax allows them on Hopper (9.0) and newer."""
+  capability = getattr(jax.devices()[0], "compute_capability", None)
+  try:
+    return float(capability) >= 9.0
+  except (TypeError, ValueError):
+    return False
+
+
 def fused_attention(q, k, v, segment_pos, window, scale, implementation=None,
-                    max_segments=MAX_SEGMENTS):
+                    max_segments=None):
   """Within-row attention as one fused kernel: cuDNN's flash attention for
   ``implementation="cudnn"`` (bfloat16/float16 on NVIDIA GPUs; the T x T scores are never
   stored), ``masked_attention`` otherwise. q: [B, T, N, H]; k, v: [B, T, H].
@@ -97,13 +106,16 @@ def fused_attention(q, k, v, segment_pos, window, scale, implementation=None,
   written in the backward (jax always asks for it), 1.8x the time of causal attention alone.
   So the documents are given as the kernel's own masks wherever they can be, chosen at run
   time (``lax.switch``) from the rows at hand: causal only where every row is one document,
-  cuDNN's packed segments where every row has at most ``max_segments``, the dense mask
-  otherwise. The packed form goes through jax's cuDNN module (``jax._src``), as
-  ``jax.nn.dot_product_attention`` does not take segments."""
+  cuDNN's packed segments where every row has at most ``max_segments`` (default
+  ``MAX_SEGMENTS`` where ``packed_segments_supported``, else none: below 2 there is no packed
+  form), the dense mask otherwise. The packed form goes through jax's cuDNN module
+  (``jax._src``), as ``jax.nn.dot_product_attention`` does not take segments."""
   if implementation != "cudnn":
     return masked_attention(q, k, v, segment_pos, window, scale, implementation)
   from jax._src.cudnn import fused_attention_stablehlo as cudnn  # pylint: disable=g-import-not-at-top
-  lengths, offsets, count = document_segments(segment_pos, max_segments)
+  if max_segments is None:
+    max_segments = MAX_SEGMENTS if packed_segments_supported() else 0
+  lengths, offsets, count = document_segments(segment_pos, max(max_segments, 1))
   sliding = None if window is None else window + 1  # cuDNN counts the query itself
 
   def causal(q, k, v):
@@ -122,6 +134,8 @@ def fused_attention(q, k, v, segment_pos, window, scale, implementation=None,
     return masked_attention(q, k, v, segment_pos, window, scale, implementation)
 
   most = jnp.max(count)
+  if max_segments < 2:
+    return jax.lax.switch(jnp.where(most <= 1, 0, 1), (causal, masked), q, k, v)
   branch = jnp.where(most <= 1, 0, jnp.where(most <= max_segments, 1, 2))
   return jax.lax.switch(branch, (causal, packed, masked), q, k, v)
 
