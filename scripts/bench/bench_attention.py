@@ -1,7 +1,7 @@
 """cuDNN flash attention at the training shapes: how the same-document mask is passed.
 
     python scripts/bench/bench_attention.py [--batch 16 --seq_len 2048 --heads 12 --head_dim 128]
-        [--windows none,1024] [--segments 2,4,16] [--iters 20]
+        [--windows none,1024] [--segments 2,4,8] [--docs 3] [--iters 20]
 
 Times the forward and the forward + backward (gradients of q, k and v) of MQA attention (one
 key/value head, bfloat16) through cuDNN, per variant:
@@ -12,9 +12,10 @@ key/value head, bfloat16) through cuDNN, per variant:
 - ``fused M``: ``attention.fused_attention`` with ``max_segments=M``, the model's path: causal
   for rows of one document, cuDNN's packed segments for at most ``M`` a row, else the mask.
 
-Before timing, the ``mask`` and ``packed`` outputs and gradients are compared with the XLA
-reference on rows of several documents. TFLOP/s count the multiply-adds of the unmasked
-(query, key) pairs of a single-document row: 4 per pair and head dim forward, 10 backward.
+Before timing, the ``mask`` and ``fused`` outputs and gradients are compared with the XLA
+reference on rows of ``--docs`` documents (row 0: one), which the last column also times.
+TFLOP/s count the multiply-adds of the unmasked (query, key) pairs of a single-document row:
+4 per pair and head dim forward, 10 backward.
 """
 
 from __future__ import annotations
