@@ -329,6 +329,7 @@ def test_the_models_kernels_see_only_their_devices_shard(monkeypatch):
   # fused_attention (documents, lax.switch) runs around it on each device.
   helpers.cudnn_attention_on_cpu(
       monkeypatch, record=lambda q: seen["cudnn attention"].add(tuple(q.shape)))
+  monkeypatch.setattr(attention, "packed_segments_supported", lambda: True)  # as on Hopper
   mqa = model_lib.init_model(dataclasses.replace(
       cfg, family="mqa", num_heads=4, block_types=("global_attention",),
       attention_impl="cudnn"), 0)
@@ -338,3 +339,28 @@ def test_the_models_kernels_see_only_their_devices_shard(monkeypatch):
   # rows over data=4; channels (gate blocks, heads) over model=2
   assert seen == {"scan": {(2, 16, 32)}, "gates": {(2, 16, 32)}, "gla": {(2, 16, 2, 8)},
                   "cudnn attention": {(2, 16, 2, 16)}}
+
+
+def test_cudnn_attention_chooses_per_device_and_matches_one_device(monkeypatch):
+  # fused_attention's lax.switch runs per device under the mesh: rows of one document on some
+  # devices (causal), of 3 (packed segments) and of 6 (the dense mask) on others. cuDNN runs as
+  # its semantics in jnp; the sharded logits must equal the unsharded ones.
+  helpers.cudnn_attention_on_cpu(monkeypatch)
+  monkeypatch.setattr(attention, "packed_segments_supported", lambda: True)  # as on Hopper
+  cfg = model_lib.ModelConfig(family="mqa", vocab_size=64, width=32, num_layers=1, num_heads=4,
+                              mlp_expanded_width=64, dtype="float32",
+                              block_types=("global_attention",), attention_impl="cudnn")
+  model = model_lib.init_model(cfg, 0)
+  rng = np.random.default_rng(5)
+  tokens = jnp.asarray(rng.integers(0, 64, (8, 24)), jnp.int32)
+  pos = np.zeros((8, 24), np.int32)
+  for row, docs in enumerate((1, 1, 3, 3, 6, 6, 1, 3)):  # two rows per device of data=4
+    cuts = np.sort(rng.choice(np.arange(1, 24), docs - 1, replace=False))
+    for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, 24]):
+      pos[row, lo:hi] = np.arange(hi - lo)
+  pos = jnp.asarray(pos)
+  forward = nnx.jit(lambda m, t, p: m(t, p))
+  want = forward(model, tokens, pos)
+  with jax.set_mesh(partitioning.make_mesh(4, 2)):
+    got = forward(model, tokens, pos)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
