@@ -82,9 +82,12 @@ def document_segments(segment_pos: Int[Array, "b t"], max_segments: int):
   return lengths, offsets, count
 
 
-# Documents a row may have for cuDNN's packed segments; rows with more take the dense mask.
-# Its cost grows with this bound (docs/performance.md, "attention without a dense mask").
-MAX_SEGMENTS = 4
+# The bounds on documents a row of cuDNN's packed segments are compiled for: a batch whose
+# rows have at most 4 documents takes the first, at most 16 the second, more the dense mask.
+# The packed form's cost grows with its bound (docs/performance.md, "attention without a
+# dense mask"): 2.4 ms forward + backward at 4 and 3.0 at 16, against 3.6 for the mask, at
+# MQA-400M's layer shape.
+SEGMENT_BOUNDS = (4, 16)
 
 
 def packed_segments_supported() -> bool:
@@ -97,7 +100,7 @@ def packed_segments_supported() -> bool:
 
 
 def fused_attention(q, k, v, segment_pos, window, scale, implementation=None,
-                    max_segments=None):
+                    segment_bounds=None):
   """Within-row attention as one fused kernel: cuDNN's flash attention for
   ``implementation="cudnn"`` (bfloat16/float16 on NVIDIA GPUs; the T x T scores are never
   stored), ``masked_attention`` otherwise. q: [B, T, N, H]; k, v: [B, T, H].
@@ -106,16 +109,16 @@ def fused_attention(q, k, v, segment_pos, window, scale, implementation=None,
   written in the backward (jax always asks for it), 1.8x the time of causal attention alone.
   So the documents are given as the kernel's own masks wherever they can be, chosen at run
   time (``lax.switch``) from the rows at hand: causal only where every row is one document,
-  cuDNN's packed segments where every row has at most ``max_segments`` (default
-  ``MAX_SEGMENTS`` where ``packed_segments_supported``, else none: below 2 there is no packed
-  form), the dense mask otherwise. The packed form goes through jax's cuDNN module
-  (``jax._src``), as ``jax.nn.dot_product_attention`` does not take segments."""
+  cuDNN's packed segments for the first of ``segment_bounds`` (default ``SEGMENT_BOUNDS``
+  where ``packed_segments_supported``, else none) that every row's documents fit, the dense
+  mask otherwise. The packed form goes through jax's cuDNN module (``jax._src``), as
+  ``jax.nn.dot_product_attention`` does not take segments."""
   if implementation != "cudnn":
     return masked_attention(q, k, v, segment_pos, window, scale, implementation)
   from jax._src.cudnn import fused_attention_stablehlo as cudnn  # pylint: disable=g-import-not-at-top
-  if max_segments is None:
-    max_segments = MAX_SEGMENTS if packed_segments_supported() else 0
-  lengths, offsets, count = document_segments(segment_pos, max(max_segments, 1))
+  if segment_bounds is None:
+    segment_bounds = SEGMENT_BOUNDS if packed_segments_supported() else ()
+  segment_bounds = sorted(m for m in segment_bounds if m >= 2)
   sliding = None if window is None else window + 1  # cuDNN counts the query itself
 
   def causal(q, k, v):
@@ -123,21 +126,23 @@ def fused_attention(q, k, v, segment_pos, window, scale, implementation=None,
                                        mask_type=cudnn.MaskType.CAUSAL,
                                        sliding_window_length=sliding)
 
-  def packed(q, k, v):
-    return cudnn.dot_product_attention(
-        q, k[:, :, None], v[:, :, None], q_seqlen=lengths, kv_seqlen=lengths,
-        q_offsets=offsets, kv_offsets=offsets, scale=scale,
-        mask_type=cudnn.MaskType.PADDING_CAUSAL, sliding_window_length=sliding)
+  def packed(bound):
+    def attend(q, k, v):
+      lengths, offsets, _ = document_segments(segment_pos, bound)
+      return cudnn.dot_product_attention(
+          q, k[:, :, None], v[:, :, None], q_seqlen=lengths, kv_seqlen=lengths,
+          q_offsets=offsets, kv_offsets=offsets, scale=scale,
+          mask_type=cudnn.MaskType.PADDING_CAUSAL, sliding_window_length=sliding)
+    return attend
 
   @jax.checkpoint  # its [B, 1, T, T] bias would be a residual of every branch, zeros if unused
   def masked(q, k, v):
     return masked_attention(q, k, v, segment_pos, window, scale, implementation)
 
-  most = jnp.max(count)
-  if max_segments < 2:
-    return jax.lax.switch(jnp.where(most <= 1, 0, 1), (causal, masked), q, k, v)
-  branch = jnp.where(most <= 1, 0, jnp.where(most <= max_segments, 1, 2))
-  return jax.lax.switch(branch, (causal, packed, masked), q, k, v)
+  most = jnp.max(document_segments(segment_pos, 1)[2])
+  # 0: causal; 1 + (bounds below ``most``): the first packed bound that fits, or the mask.
+  branch = jnp.where(most <= 1, 0, 1 + sum((most > m).astype(jnp.int32) for m in segment_bounds))
+  return jax.lax.switch(branch, (causal, *map(packed, segment_bounds), masked), q, k, v)
 
 
 class AttentionCache(NamedTuple):

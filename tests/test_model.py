@@ -212,12 +212,13 @@ def test_document_segments_match_a_numpy_count():
     np.testing.assert_array_equal(offsets[b], starts[:m] + [-1] * (5 - m))
 
 
-@pytest.mark.parametrize("window,docs,max_segments",
-                         [(w, d, 4) for w in (None, 5) for d in (1, 3, 6)] + [(5, 3, 0)])
+@pytest.mark.parametrize("window,docs,bounds",
+                         [(w, d, (4, 8)) for w in (None, 5) for d in (1, 3, 6, 20)]
+                         + [(5, 3, ())])
 def test_fused_attention_gives_each_document_its_own_attention(monkeypatch, window, docs,
-                                                               max_segments):
-  # fused_attention picks causal (one document a row), packed segments (at most max_segments;
-  # none below 2, as before Hopper) or the dense mask (more) at run time; with cuDNN's
+                                                               bounds):
+  # fused_attention picks causal (one document a row), packed segments (the first bound the
+  # documents fit; none, as before Hopper) or the dense mask (more) at run time; with cuDNN's
   # semantics written out in jnp (a CPU has no cuDNN), each choice must equal our masks,
   # gradients included. On an H100 the real kernels are checked against XLA by
   # scripts/bench/bench_attention.py.
@@ -238,7 +239,7 @@ def test_fused_attention_gives_each_document_its_own_attention(monkeypatch, wind
     return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v, pos, window, 0.3)))
 
   fused = loss(functools.partial(attention.fused_attention, implementation="cudnn",
-                                 max_segments=max_segments))
+                                 segment_bounds=bounds))
   want = loss(functools.partial(masked, implementation="xla"))
   np.testing.assert_allclose(jax.jit(fused)(q, k, v), want(q, k, v), rtol=1e-5)
   for got, ref in zip(jax.jit(jax.grad(fused, (0, 1, 2)))(q, k, v),

@@ -343,8 +343,8 @@ def test_the_models_kernels_see_only_their_devices_shard(monkeypatch):
 
 def test_cudnn_attention_chooses_per_device_and_matches_one_device(monkeypatch):
   # fused_attention's lax.switch runs per device under the mesh: rows of one document on some
-  # devices (causal), of 3 (packed segments) and of 6 (the dense mask) on others. cuDNN runs as
-  # its semantics in jnp; the sharded logits must equal the unsharded ones.
+  # devices (causal), of at most 4 or 16 (packed segments) and of 20 (the dense mask) on
+  # others. cuDNN runs as its semantics in jnp; the sharded logits must equal the unsharded.
   helpers.cudnn_attention_on_cpu(monkeypatch)
   monkeypatch.setattr(attention, "packed_segments_supported", lambda: True)  # as on Hopper
   cfg = model_lib.ModelConfig(family="mqa", vocab_size=64, width=32, num_layers=1, num_heads=4,
@@ -354,7 +354,7 @@ def test_cudnn_attention_chooses_per_device_and_matches_one_device(monkeypatch):
   rng = np.random.default_rng(5)
   tokens = jnp.asarray(rng.integers(0, 64, (8, 24)), jnp.int32)
   pos = np.zeros((8, 24), np.int32)
-  for row, docs in enumerate((1, 1, 3, 3, 6, 6, 1, 3)):  # two rows per device of data=4
+  for row, docs in enumerate((1, 1, 3, 3, 20, 20, 1, 6)):  # two rows per device of data=4
     cuts = np.sort(rng.choice(np.arange(1, 24), docs - 1, replace=False))
     for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, 24]):
       pos[row, lo:hi] = np.arange(hi - lo)

@@ -9,8 +9,9 @@ key/value head, bfloat16) through cuDNN, per variant:
 - ``mask``: the dense ``[B, 1, T, T]`` same-document mask (``attention.masked_attention``).
   jax turns it into a bias, and its cuDNN backward also writes a bias gradient.
 - ``causal``: causality and the window only, no mask (exact only for rows of one document).
-- ``fused M``: ``attention.fused_attention`` with ``max_segments=M``, the model's path: causal
-  for rows of one document, cuDNN's packed segments for at most ``M`` a row, else the mask.
+- ``fused M``: ``attention.fused_attention`` with ``segment_bounds=(M,)``, the model's path:
+  causal for rows of one document, cuDNN's packed segments for at most ``M`` a row, else the
+  mask.
 
 Before timing, the ``mask`` and ``fused`` outputs and gradients are compared with the XLA
 reference on rows of ``--docs`` documents (row 0: one), which the last column also times.
@@ -56,7 +57,7 @@ def variants(window, segments):
              implementation="cudnn")}
   for m in segments:
     out[f"fused {m}"] = functools.partial(attention.fused_attention, window=window,
-                                          implementation="cudnn", max_segments=m)
+                                          implementation="cudnn", segment_bounds=(m,))
   return out
 
 
