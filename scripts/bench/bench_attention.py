@@ -11,7 +11,7 @@ key/value head, bfloat16) through cuDNN, per variant:
 - ``causal``: causality and the window only, no mask (exact only for rows of one document).
 - ``fused M``: ``attention.fused_attention`` with ``segment_bounds=(M,)``, the model's path:
   causal for rows of one document, cuDNN's packed segments for at most ``M`` a row, else the
-  mask.
+  mask. ``fused (model default)``: the same with ``attention.SEGMENT_BOUNDS``.
 
 Before timing, the ``mask`` and ``fused`` outputs and gradients are compared with the XLA
 reference on rows of ``--docs`` documents (row 0: one), which the last column also times.
@@ -58,6 +58,9 @@ def variants(window, segments):
   for m in segments:
     out[f"fused {m}"] = functools.partial(attention.fused_attention, window=window,
                                           implementation="cudnn", segment_bounds=(m,))
+  out["fused (model default)"] = functools.partial(
+      attention.fused_attention, window=window, implementation="cudnn",
+      segment_bounds=attention.SEGMENT_BOUNDS)
   return out
 
 
