@@ -26,6 +26,15 @@ def target_platform() -> str:
   return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
 
 
+def gpu_capability() -> float | None:
+  """The first device's CUDA compute capability (``9.0`` for Hopper), or None where it has none
+  (a CPU or TPU, a GPU backend that does not say)."""
+  try:
+    return float(getattr(jax.devices()[0], "compute_capability", None))
+  except (TypeError, ValueError):
+    return None
+
+
 def interpret_on(platform: str, interpret: bool = False) -> bool:
   """Whether a Pallas kernel runs in its interpreter: asked for, or a CPU target."""
   return interpret or platform == "cpu"

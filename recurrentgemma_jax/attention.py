@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from pallas_kernels import dispatch
 from pallas_kernels.attention import splash_mqa
 from recurrentgemma_jax import layers
 from sharding import partitioning
@@ -54,7 +55,7 @@ def _masked_attention(q, keys, values, mask, scale):
   return jnp.einsum("bnts,bsh->btnh", probs, values)
 
 
-def masked_attention(q, k, v, segment_pos, window, scale, implementation=None):
+def document_mask_attention(q, k, v, segment_pos, window, scale, implementation=None):
   """Within-row attention through ``jax.nn.dot_product_attention``, the same-document mask of
   packed rows passed as a dense ``[B, 1, T, T]`` mask; causality and the window are the
   kernel's own masks. q: [B, T, N, H]; k, v: [B, T, H]."""
@@ -65,13 +66,18 @@ def masked_attention(q, k, v, segment_pos, window, scale, implementation=None):
       local_window_size=None if window is None else (window, 0), implementation=implementation)
 
 
+def _row_documents(segment_pos: Int[Array, "b t"]) -> Int[Array, "b t"]:
+  """``layers.document_ids`` counted from 0 at each row's first token (which may continue a
+  document: then it has no ``segment_pos == 0``)."""
+  doc = layers.document_ids(segment_pos)
+  return doc - doc[:, :1]
+
+
 def document_segments(segment_pos: Int[Array, "b t"], max_segments: int):
   """The documents of each row as cuDNN's packed segments: ``(lengths, offsets, count)``,
   int32 ``[B, M]``, ``[B, M + 1]`` (``M = max_segments``; -1 past a row's last document) and
   ``[B]`` (documents in each row; the segments cover the row only where ``count <= M``)."""
-  t = segment_pos.shape[1]
-  start = (segment_pos == 0) | (jnp.arange(t) == 0)[None]
-  doc = jnp.cumsum(start, axis=-1, dtype=jnp.int32) - 1  # 0-based document of each token
+  doc = _row_documents(segment_pos)
   count = doc[:, -1] + 1
   used = jnp.arange(max_segments)[None] < count[:, None]
   lengths = jnp.sum(doc[:, :, None] == jnp.arange(max_segments)[None, None], axis=1,
@@ -92,18 +98,15 @@ SEGMENT_BOUNDS = (4, 16)
 
 def packed_segments_supported() -> bool:
   """Whether cuDNN's packed segments run here: jax allows them on Hopper (9.0) and newer."""
-  capability = getattr(jax.devices()[0], "compute_capability", None)
-  try:
-    return float(capability) >= 9.0
-  except (TypeError, ValueError):
-    return False
+  capability = dispatch.gpu_capability()
+  return capability is not None and capability >= 9.0
 
 
 def fused_attention(q, k, v, segment_pos, window, scale, implementation=None,
                     segment_bounds=None):
   """Within-row attention as one fused kernel: cuDNN's flash attention for
   ``implementation="cudnn"`` (bfloat16/float16 on NVIDIA GPUs; the T x T scores are never
-  stored), ``masked_attention`` otherwise. q: [B, T, N, H]; k, v: [B, T, H].
+  stored), ``document_mask_attention`` otherwise. q: [B, T, N, H]; k, v: [B, T, H].
 
   A dense mask costs cuDNN a ``[B, 1, T, T]`` bias read in the forward and a bias gradient
   written in the backward (jax always asks for it), 1.8x the time of causal attention alone.
@@ -114,7 +117,7 @@ def fused_attention(q, k, v, segment_pos, window, scale, implementation=None,
   mask otherwise. The packed form goes through jax's cuDNN module (``jax._src``), as
   ``jax.nn.dot_product_attention`` does not take segments."""
   if implementation != "cudnn":
-    return masked_attention(q, k, v, segment_pos, window, scale, implementation)
+    return document_mask_attention(q, k, v, segment_pos, window, scale, implementation)
   from jax._src.cudnn import fused_attention_stablehlo as cudnn  # pylint: disable=g-import-not-at-top
   if segment_bounds is None:
     segment_bounds = SEGMENT_BOUNDS if packed_segments_supported() else ()
@@ -137,9 +140,9 @@ def fused_attention(q, k, v, segment_pos, window, scale, implementation=None,
 
   @jax.checkpoint  # its [B, 1, T, T] bias would be a residual of every branch, zeros if unused
   def masked(q, k, v):
-    return masked_attention(q, k, v, segment_pos, window, scale, implementation)
+    return document_mask_attention(q, k, v, segment_pos, window, scale, implementation)
 
-  most = jnp.max(document_segments(segment_pos, 1)[2])
+  most = jnp.max(_row_documents(segment_pos)[:, -1]) + 1  # documents in the fullest row
   # 0: causal; 1 + (bounds below ``most``): the first packed bound that fits, or the mask.
   branch = jnp.where(most <= 1, 0, 1 + sum((most > m).astype(jnp.int32) for m in segment_bounds))
   return jax.lax.switch(branch, (causal, *map(packed, segment_bounds), masked), q, k, v)

@@ -50,12 +50,9 @@ def cudnn_attention_problem(dtype: str, head_dim: int) -> str | None:
   if dtype not in ("bfloat16", "float16") or head_dim > 128 or head_dim % 8:
     return (f"needs model.dtype bfloat16 or float16 (got {dtype!r}) and a head size of at most "
             f"128 that is a multiple of 8 (got {head_dim})")
-  capability = getattr(jax.devices()[0], "compute_capability", None)
-  try:
-    if float(capability) >= 8.0:
-      return None
-  except (TypeError, ValueError):  # (a GPU backend that does not say)
-    pass
+  capability = dispatch.gpu_capability()
+  if capability is not None and capability >= 8.0:
+    return None
   return f"needs a GPU of compute capability 8.0 or more (got {capability})"
 
 

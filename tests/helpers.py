@@ -109,7 +109,7 @@ def cudnn_attention_on_cpu(monkeypatch, record=None):
       record(q)
     return cudnn_semantics(q, *args, **kwargs)
 
-  masked = attention.masked_attention
+  masked = attention.document_mask_attention
   monkeypatch.setattr(cudnn, "dot_product_attention", fake)
-  monkeypatch.setattr(attention, "masked_attention",
+  monkeypatch.setattr(attention, "document_mask_attention",
                       lambda *a, **kw: masked(*a[:6], implementation="xla"))

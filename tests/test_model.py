@@ -187,7 +187,7 @@ def test_fused_attention_arguments_give_our_masks(window):
     return jnp.sum(jnp.sin(attention._masked_attention(q, k, v, mask, 0.3)))
 
   def fused(q, k, v):
-    return jnp.sum(jnp.sin(attention.masked_attention(q, k, v, pos, window, 0.3, "xla")))
+    return jnp.sum(jnp.sin(attention.document_mask_attention(q, k, v, pos, window, 0.3, "xla")))
 
   np.testing.assert_allclose(fused(q, k, v), ours(q, k, v), rtol=1e-5)
   for g_fused, g_ours in zip(jax.grad(fused, (0, 1, 2))(q, k, v), jax.grad(ours, (0, 1, 2))(q, k, v)):
@@ -223,7 +223,7 @@ def test_fused_attention_gives_each_document_its_own_attention(monkeypatch, wind
   # gradients included. On an H100 the real kernels are checked against XLA by
   # scripts/bench/bench_attention.py.
   from recurrentgemma_jax import attention
-  masked = attention.masked_attention
+  masked = attention.document_mask_attention
   helpers.cudnn_attention_on_cpu(monkeypatch)
   rng = np.random.default_rng(docs)
   q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32)

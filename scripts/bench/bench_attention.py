@@ -6,7 +6,7 @@
 Times the forward and the forward + backward (gradients of q, k and v) of MQA attention (one
 key/value head, bfloat16) through cuDNN, per variant:
 
-- ``mask``: the dense ``[B, 1, T, T]`` same-document mask (``attention.masked_attention``).
+- ``mask``: the dense ``[B, 1, T, T]`` same-document mask (``attention.document_mask_attention``).
   jax turns it into a bias, and its cuDNN backward also writes a bias gradient.
 - ``causal``: causality and the window only, no mask (exact only for rows of one document).
 - ``fused M``: ``attention.fused_attention`` with ``segment_bounds=(M,)``, the model's path:
@@ -49,7 +49,7 @@ def random_documents(rng, batch, seq_len, docs):
 
 
 def variants(window, segments):
-  out = {"mask": functools.partial(attention.masked_attention, window=window,
+  out = {"mask": functools.partial(attention.document_mask_attention, window=window,
                                    implementation="cudnn"),
          "causal": lambda q, k, v, pos, scale: jax.nn.dot_product_attention(
              q, k[:, :, None], v[:, :, None], scale=scale, is_causal=True,
@@ -102,7 +102,7 @@ def main():
     fwd_flop, bwd_flop = 4 * pairs * n * h, 10 * pairs * n * h
 
     def reference(q, k, v, pos, scale):
-      return attention.masked_attention(q, k, v, pos, window, scale, implementation="xla")
+      return attention.document_mask_attention(q, k, v, pos, window, scale, implementation="xla")
 
     ref_grad = jax.jit(jax.value_and_grad(loss_fn(reference, cot), argnums=(0, 1, 2)),
                        static_argnames="scale")
