@@ -13,6 +13,7 @@ PACKAGES = {
                               "rg_lru_reference", "sequence_parallel_linear_scan"],
     "pallas_kernels.gla": ["chunk_gla", "gla_recurrent_step", "gla_reference"],
     "pallas_kernels.gates": ["block_diagonal_matmul", "supported"],
+    "pallas_kernels.mlp": ["gated_gelu", "supported"],
 }
 
 

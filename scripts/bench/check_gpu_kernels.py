@@ -24,6 +24,7 @@ import numpy as np  # noqa: E402
 
 import pallas_kernels  # noqa: E402
 from pallas_kernels.gates import block_diagonal  # noqa: E402
+from pallas_kernels.mlp import gating  # noqa: E402
 
 # Relative error allowed for each compute dtype: bfloat16 inputs are rounded before both the
 # kernel and the reference see them, so what is left is the kernel's own rounding.
@@ -59,6 +60,10 @@ def cases(tiny: bool):
   bdm = lambda x, w: block_diagonal.block_diagonal_matmul(x, w, interpret=interpret)
   yield ("block_diagonal", bdm, _block_diagonal_reference,
          [("x", (n, h * i)), ("param", (h, i, j))])
+  n, m = (70, 48) if tiny else (32768, 4608)                  # MQA 400M's MLP, 16 x 2048 rows
+  mlp = lambda up, bias: gating.gated_gelu(up, bias, interpret=interpret)
+  yield ("mlp_gating", mlp, lambda up, bias: gating.forward(up, bias.astype(up.dtype)),
+         [("x", (n, 2, m)), ("x", (2, m))])
 
 
 def make_inputs(specs, dtype, key):
