@@ -115,7 +115,9 @@ def fused_attention(q, k, v, segment_pos, window, scale, implementation=None,
   cuDNN's packed segments for the first of ``segment_bounds`` (default ``SEGMENT_BOUNDS``
   where ``packed_segments_supported``, else none) that every row's documents fit, the dense
   mask otherwise. The packed form goes through jax's cuDNN module (``jax._src``), as
-  ``jax.nn.dot_product_attention`` does not take segments."""
+  ``jax.nn.dot_product_attention`` does not take segments. The switch is
+  ``switch_keeping_operands``: differentiated, ``lax.switch`` copied the queries, keys and
+  values out of its forward (1.2 ms of an MQA-400M step on an H100, docs/performance.md)."""
   if implementation != "cudnn":
     return document_mask_attention(q, k, v, segment_pos, window, scale, implementation)
   from jax._src.cudnn import fused_attention_stablehlo as cudnn  # pylint: disable=g-import-not-at-top
@@ -124,28 +126,100 @@ def fused_attention(q, k, v, segment_pos, window, scale, implementation=None,
   segment_bounds = sorted(m for m in segment_bounds if m >= 2)
   sliding = None if window is None else window + 1  # cuDNN counts the query itself
 
-  def causal(q, k, v):
-    return cudnn.dot_product_attention(q, k[:, :, None], v[:, :, None], scale=scale,
-                                       mask_type=cudnn.MaskType.CAUSAL,
+  # Keys and values as cuDNN takes them ([B, T, 1, H]) before the switch, so each branch's
+  # residuals hold the switch's operands themselves (see ``switch_keeping_operands``).
+  k, v = k[:, :, None], v[:, :, None]
+
+  def causal(q, k, v, segment_pos, *segments):
+    del segment_pos, segments
+    return cudnn.dot_product_attention(q, k, v, scale=scale, mask_type=cudnn.MaskType.CAUSAL,
                                        sliding_window_length=sliding)
 
-  def packed(bound):
-    def attend(q, k, v):
-      lengths, offsets, _ = document_segments(segment_pos, bound)
+  def packed(index):
+    def attend(q, k, v, segment_pos, *segments):
+      del segment_pos
+      lengths, offsets = segments[2 * index:2 * index + 2]
       return cudnn.dot_product_attention(
-          q, k[:, :, None], v[:, :, None], q_seqlen=lengths, kv_seqlen=lengths,
-          q_offsets=offsets, kv_offsets=offsets, scale=scale,
-          mask_type=cudnn.MaskType.PADDING_CAUSAL, sliding_window_length=sliding)
+          q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
+          scale=scale, mask_type=cudnn.MaskType.PADDING_CAUSAL, sliding_window_length=sliding)
     return attend
 
   @jax.checkpoint  # its [B, 1, T, T] bias would be a residual of every branch, zeros if unused
-  def masked(q, k, v):
-    return document_mask_attention(q, k, v, segment_pos, window, scale, implementation)
+  def masked(q, k, v, segment_pos, *segments):
+    del segments
+    return document_mask_attention(q, k[:, :, 0], v[:, :, 0], segment_pos, window, scale,
+                                   implementation)
 
+  segments = [a for m in segment_bounds for a in document_segments(segment_pos, m)[:2]]
   most = jnp.max(_row_documents(segment_pos)[:, -1]) + 1  # documents in the fullest row
   # 0: causal; 1 + (bounds below ``most``): the first packed bound that fits, or the mask.
   branch = jnp.where(most <= 1, 0, 1 + sum((most > m).astype(jnp.int32) for m in segment_bounds))
-  return jax.lax.switch(branch, (causal, *map(packed, segment_bounds), masked), q, k, v)
+  branches = (causal, *map(packed, range(len(segment_bounds))), masked)
+  return switch_keeping_operands(branch, branches, q, k, v, segment_pos, *segments)
+
+
+def switch_keeping_operands(index, branches, *operands):
+  """``lax.switch(index, branches, *operands)`` for a single array output, differentiable in
+  its floating operands, with a backward that copies less.
+
+  Differentiated, ``lax.switch`` returns every branch's residuals from its forward switch:
+  the operands and the output the branch keeps come out as new arrays (XLA copies them:
+  for MQA-400M's attention, 100 MB of queries a layer), and the other branches' residuals as
+  zeros. Here each branch runs under ``jax.vjp`` in the forward switch, which returns only
+  the residuals that are neither an operand nor the output; the backward switch rebuilds that
+  branch's VJP from them and the operands and output, kept once outside the switch."""
+  n = len(branches)
+  layouts = [None] * n  # per branch, set while tracing: (VJP tree, where each leaf comes from)
+
+  def split(i, ops):
+    out, vjp = jax.vjp(branches[i], *ops)
+    leaves, tree = jax.tree.flatten(vjp)
+    sources, own = [], []
+    for leaf in leaves:
+      j = next((j for j, o in enumerate(ops) if leaf is o), None)
+      if j is not None:
+        sources.append(("operand", j))
+      elif leaf is out:
+        sources.append(("output", 0))
+      else:
+        sources.append(("own", len(own)))
+        own.append(leaf)
+    layouts[i] = (tree, sources)
+    return out, own
+
+  floating = [jnp.issubdtype(o.dtype, jnp.floating) for o in operands]
+
+  @jax.custom_vjp
+  def run(index, *ops):
+    return jax.lax.switch(index, branches, *ops)
+
+  def fwd(index, *ops):
+    own_shapes = [jax.eval_shape(lambda *o, i=i: split(i, o)[1], *ops) for i in range(n)]
+
+    def forward(i):
+      def go(*ops):
+        out, own = split(i, ops)
+        return out, [own if j == i else [jnp.zeros(a.shape, a.dtype) for a in own_shapes[j]]
+                     for j in range(n)]
+      return go
+    out, own = jax.lax.switch(index, [forward(i) for i in range(n)], *ops)
+    return out, (index, ops, out, own)
+
+  def bwd(residuals, g):
+    index, ops, out, own = residuals
+
+    def backward(i):
+      def go(ops, out, own, g):
+        tree, sources = layouts[i]
+        pick = {"operand": lambda j: ops[j], "output": lambda j: out, "own": lambda j: own[i][j]}
+        vjp = jax.tree.unflatten(tree, [pick[kind](j) for kind, j in sources])
+        return [ct for ct, f in zip(vjp(g), floating) if f]
+      return go
+    grads = iter(jax.lax.switch(index, [backward(i) for i in range(n)], ops, out, own, g))
+    return (None, *(next(grads) if f else None for f in floating))
+
+  run.defvjp(fwd, bwd)
+  return run(index, *operands)
 
 
 class AttentionCache(NamedTuple):

@@ -247,6 +247,48 @@ def test_fused_attention_gives_each_document_its_own_attention(monkeypatch, wind
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_switch_keeping_operands_differentiates_as_lax_switch_without_returning_operands():
+  # Branches shaped like jax's cuDNN attention: a custom VJP that keeps its inputs, its output
+  # and a statistic of its own, of a different size in each branch.
+  from recurrentgemma_jax import attention
+
+  def branch(m):
+    @jax.custom_vjp
+    def f(x, w, n):
+      return jnp.tanh(x * w) * m + n.astype(x.dtype)
+
+    def fwd(x, w, n):
+      out = f(x, w, n)
+      return out, (x, w, out, jnp.full((m, 3), jnp.sum(x)))
+
+    def bwd(res, g):
+      x, w, out, stat = res  # (out and stat only to be kept, as cuDNN keeps its own)
+      d = g * m * (1 - jnp.tanh(x * w) ** 2) + 0 * (jnp.sum(out) + jnp.sum(stat))
+      return d * w, jnp.sum(d * x, 0), None
+    f.defvjp(fwd, bwd)
+    return f
+
+  branches = [branch(m) for m in (1, 2, 5)]
+  rng = np.random.default_rng(0)
+  x, w = jnp.asarray(rng.normal(size=(4, 3)), jnp.float32), jnp.asarray(rng.normal(size=3))
+  n = jnp.arange(3)
+  for index in range(3):
+    def loss(switch):
+      return lambda x, w: jnp.sum(jnp.sin(switch(jnp.int32(index), branches, x, w, n)))
+    got, want = loss(attention.switch_keeping_operands), loss(jax.lax.switch)
+    np.testing.assert_allclose(jax.jit(got)(x, w), want(x, w), rtol=1e-6)
+    for a, b in zip(jax.jit(jax.grad(got, (0, 1)))(x, w), jax.grad(want, (0, 1))(x, w)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # The forward switch returns the output and each branch's statistic only; lax.switch's
+  # also returns the inputs and the output each branch keeps.
+  conds = lambda switch: [e for e in jax.make_jaxpr(jax.grad(
+      lambda x, w: jnp.sum(switch(jnp.int32(0), branches, x, w, n))))(x, w).eqns
+      if e.primitive.name == "cond"]
+  assert [v.aval.shape for v in conds(attention.switch_keeping_operands)[0].outvars] == [
+      (4, 3), (1, 3), (2, 3), (5, 3)]
+  assert len(conds(jax.lax.switch)[0].outvars) > 4
+
+
 def test_attention_impl_auto_picks_xla_off_gpus_and_explicit_choices_stand():
   # (On an NVIDIA GPU of compute capability >= 8.0, auto picks cudnn for bfloat16 models.)
   cfg = model_lib.ModelConfig(vocab_size=64, width=32, num_heads=2, num_layers=2,
