@@ -3,6 +3,7 @@
 - ``rg_lru``: the linear scan and the fused RG-LRU layer (Mosaic TPU, Triton and Mosaic GPU).
 - ``gla``: chunkwise Gated Linear Attention (Mosaic TPU, Triton GPU).
 - ``gates``: the RG-LRU's block-diagonal gate matmuls (Triton GPU).
+- ``mlp``: the gated MLP's GeLU gating with a one-pass backward (Triton GPU).
 - ``attention``: splash attention on TPU.
 - ``dispatch``: which kernel runs on which platform (the platform compiled for, not the host).
 """
