@@ -113,3 +113,19 @@ def cudnn_attention_on_cpu(monkeypatch, record=None):
   monkeypatch.setattr(cudnn, "dot_product_attention", fake)
   monkeypatch.setattr(attention, "document_mask_attention",
                       lambda *a, **kw: masked(*a[:6], implementation="xla"))
+
+
+def loss_grads_and_kernels(cfg, tokens, segment_pos):
+  """A loss of ``Model(cfg)``'s logits (seed 0), its gradients, and how many Pallas calls its
+  gradient's jaxpr holds: for comparing a kernel path with the XLA path it replaces."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from recurrentgemma_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  graphdef, params = nnx.split(model_lib.Model(cfg, rngs=nnx.Rngs(0)))
+
+  def loss(params):
+    logits = nnx.merge(graphdef, params)(tokens, segment_pos)[0]
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 0] ** 2)
+  kernels = str(jax.make_jaxpr(jax.grad(loss))(params)).count("pallas_call")
+  return (*jax.value_and_grad(loss)(params), kernels)

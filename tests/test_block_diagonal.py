@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+
+import helpers
 
 from pallas_kernels.gates import block_diagonal
 from recurrentgemma_jax import model as model_lib
@@ -62,17 +63,11 @@ def test_griffin_with_the_gate_kernel_equals_the_xla_gates():
   pos = jnp.stack([jnp.arange(11), jnp.concatenate([jnp.arange(4), jnp.arange(7)])])
 
   def loss_and_grads(gate_impl):
-    model = model_lib.Model(model_lib.ModelConfig(**{**cfg.__dict__, "gate_impl": gate_impl}),
-                            rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model)
-
-    def loss(params):
-      logits = nnx.merge(graphdef, params)(tokens, pos)[0]
-      return jnp.mean(jax.nn.log_softmax(logits)[..., 0] ** 2)
+    loss, grads, kernels = helpers.loss_grads_and_kernels(
+        dataclasses.replace(cfg, gate_impl=gate_impl), tokens, pos)
     # The kernel runs (2 gates x 2 recurrent blocks) only where asked for.
-    kernels = str(jax.make_jaxpr(jax.grad(loss))(params)).count("pallas_call")
     assert (kernels > 0) == (gate_impl == "pallas"), kernels
-    return jax.value_and_grad(loss)(params)
+    return loss, grads
 
   (l_xla, g_xla), (l_kernel, g_kernel) = loss_and_grads("xla"), loss_and_grads("pallas")
   np.testing.assert_allclose(l_kernel, l_xla, rtol=1e-5)
