@@ -312,3 +312,26 @@ def test_cudnn_attention_rows_of_odd_length_take_the_xla_path():
   x = jax.random.normal(jax.random.PRNGKey(3), (2, 13, 32))
   pos = jnp.stack([jnp.arange(13), jnp.concatenate([jnp.arange(5), jnp.arange(8)])])
   np.testing.assert_array_equal(cudnn(x, pos)[0], xla(x, pos)[0])
+
+
+def test_cudnn_attention_switch_under_remat_gives_the_same_gradients(monkeypatch):
+  # fused_attention's switch is a custom VJP (switch_keeping_operands); rematerialised blocks
+  # (remat block / dots) run its forward again in the backward and must give the gradients
+  # of XLA's masked attention. cuDNN runs as its semantics in jnp.
+  from recurrentgemma_jax import attention
+  helpers.cudnn_attention_on_cpu(monkeypatch)
+  monkeypatch.setattr(attention, "packed_segments_supported", lambda: True)
+  cfg = model_lib.ModelConfig(family="griffin", vocab_size=41, width=32, num_layers=3,
+                              num_heads=2, lru_width=32, mlp_expanded_width=48,
+                              attention_window_size=4, dtype="float32", attention_impl="cudnn",
+                              scan_impl="xla_linear", scan_layers=False)
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, 41)
+  pos = jnp.stack([jnp.arange(12), jnp.concatenate([jnp.arange(4), jnp.arange(8)])])
+  loss, grads, _ = helpers.loss_grads_and_kernels(
+      dataclasses.replace(cfg, attention_impl="xla"), tokens, pos)  # XLA's masks, no remat
+  for remat in ("none", "block", "dots"):
+    other_loss, other_grads, _ = helpers.loss_grads_and_kernels(
+        dataclasses.replace(cfg, remat=remat), tokens, pos)
+    np.testing.assert_allclose(other_loss, loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(other_grads), jax.tree.leaves(grads)):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
