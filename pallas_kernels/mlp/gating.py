@@ -15,7 +15,7 @@ and ``bias``. The backward is one Triton kernel over tiles of ``[rows, 2, cols]`
 partial of the bias gradient per tile row, summed outside (``N / rows`` partials).
 
 ``interpret=True``: Pallas' interpreter (the CPU tests). ``backward_reference`` is the same
-backward in jnp, float32: the check for the kernel and the path where ``supported`` says no.
+backward in jnp, float32: the path where ``supported`` says no.
 """
 
 from __future__ import annotations
