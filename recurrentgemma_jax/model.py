@@ -322,7 +322,7 @@ class MLPBlock(nnx.Module):
       return self.ffw_down(jax.nn.gelu(up[0]) * up[1])
     bias = bias.reshape(bias.shape[0], bias.shape[-1])
     up = jnp.einsum("btd,cdm->btcm", x, w)
-    if self.impl == "pallas" and mlp_kernels.supported(up.shape[0] * up.shape[1], up.shape[-1]):
+    if self.impl == "pallas" and mlp_kernels.supported(up.shape[-1]):
       # Per device under a mesh (rows over ``data``, features over ``model``).
       gating = functools.partial(mlp_kernels.gated_gelu,
                                  interpret=dispatch.target_platform() != "gpu")

@@ -129,3 +129,11 @@ def loss_grads_and_kernels(cfg, tokens, segment_pos):
     return jnp.mean(jax.nn.log_softmax(logits)[..., 0] ** 2)
   kernels = str(jax.make_jaxpr(jax.grad(loss))(params)).count("pallas_call")
   return (*jax.value_and_grad(loss)(params), kernels)
+
+
+def assert_grads_close(got, want, rtol=1e-4, atol=1e-6):
+  """Every leaf of the gradient tree ``got`` close to the same leaf of ``want``."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)

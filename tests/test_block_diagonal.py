@@ -71,8 +71,7 @@ def test_griffin_with_the_gate_kernel_equals_the_xla_gates():
 
   (l_xla, g_xla), (l_kernel, g_kernel) = loss_and_grads("xla"), loss_and_grads("pallas")
   np.testing.assert_allclose(l_kernel, l_xla, rtol=1e-5)
-  for a, b in zip(jax.tree.leaves(g_kernel), jax.tree.leaves(g_xla)):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  helpers.assert_grads_close(g_kernel, g_xla)
   assert cfg.resolved_gate_impl == "xla"  # auto: the kernels only on GPUs
   assert not cfg.resolved_fused_rg_lru and dataclasses.replace(
       cfg, fused_rg_lru="true").resolved_fused_rg_lru

@@ -1,6 +1,6 @@
 """The gated MLP's GeLU gating with a one-pass Triton backward (GPU; interpreted on a CPU).
 
-Public calls: ``gated_gelu(up, bias, *, interpret=False)`` and ``supported(n, m)``. TPUs and
+Public calls: ``gated_gelu(up, bias, *, interpret=False)`` and ``supported(m)``. TPUs and
 CPUs take XLA's autodiff of the jnp form (``model.MLPBlock``).
 """
 

@@ -34,19 +34,23 @@ _C = float(np.sqrt(2.0 / np.pi))
 _K = 0.044715
 
 
-def supported(n: int, m: int) -> bool:
-  """Whether the kernel takes ``up: [n, 2, m]``: ``n`` any (rows are padded), ``m`` a
+def supported(m: int) -> bool:
+  """Whether the kernel takes ``up: [N, 2, m]`` (any ``N``: rows are padded): ``m`` a
   multiple of 16."""
-  del n
   return m % 16 == 0
 
 
-def _gelu_parts(g):
-  """tanh GeLU of float32 ``g`` and its derivative."""
+def _branch_grads(gate, lin, b0, b1, dh):
+  """The gradients of ``gelu(gate + b0) * (lin + b1)`` for ``dh`` with respect to ``gate``
+  and ``lin``, in float32 (tanh GeLU; the tanh recomputed)."""
+  f32 = jnp.float32
+  g = gate.astype(f32) + b0.astype(f32)
+  u = lin.astype(f32) + b1.astype(f32)
+  dh = dh.astype(f32)
   t = jnp.tanh(_C * (g + _K * g * g * g))
   gelu = 0.5 * g * (1.0 + t)
   d_gelu = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * _C * (1.0 + 3.0 * _K * g * g)
-  return gelu, d_gelu
+  return dh * u * d_gelu, dh * gelu
 
 
 def forward(up, bias):
@@ -57,12 +61,7 @@ def forward(up, bias):
 
 def backward_reference(up, bias, dh):
   """``(dup, dbias)`` of ``forward`` in float32 jnp, cast to the inputs' dtypes."""
-  f32 = jnp.float32
-  g = up[..., 0, :].astype(f32) + bias[0].astype(f32)
-  u = up[..., 1, :].astype(f32) + bias[1].astype(f32)
-  gelu, d_gelu = _gelu_parts(g)
-  dh = dh.astype(f32)
-  dg, du = dh * u * d_gelu, dh * gelu
+  dg, du = _branch_grads(up[..., 0, :], up[..., 1, :], bias[0], bias[1], dh)
   dup = jnp.stack([dg, du], axis=-2).astype(up.dtype)
   lead = tuple(range(dg.ndim - 1))
   dbias = jnp.stack([dg.sum(lead), du.sum(lead)]).astype(bias.dtype)
@@ -70,12 +69,8 @@ def backward_reference(up, bias, dh):
 
 
 def _bwd_kernel(dh_ref, gate_ref, lin_ref, b_ref, dup_ref, db_ref):
-  f32 = jnp.float32
-  g = gate_ref[...].astype(f32) + b_ref[0, :].astype(f32)[None, :]
-  u = lin_ref[...].astype(f32) + b_ref[1, :].astype(f32)[None, :]
-  dh = dh_ref[...].astype(f32)
-  gelu, d_gelu = _gelu_parts(g)
-  dg, du = dh * u * d_gelu, dh * gelu
+  dg, du = _branch_grads(gate_ref[...], lin_ref[...], b_ref[0, :][None, :], b_ref[1, :][None, :],
+                         dh_ref[...])
   dup_ref[:, 0, :] = dg.astype(dup_ref.dtype)
   dup_ref[:, 1, :] = du.astype(dup_ref.dtype)
   db_ref[0, :] = dg.sum(axis=0)
@@ -117,7 +112,7 @@ def _gated_gelu_fwd(up, bias, interpret):
 
 def _gated_gelu_bwd(interpret, residuals, dh):
   up, bias = residuals
-  if not supported(*up.shape[::2]):
+  if not supported(up.shape[-1]):
     return backward_reference(up, bias, dh)
   return _backward_kernel(up, bias, dh.astype(up.dtype), interpret)
 
