@@ -33,6 +33,10 @@ def get_config(arg=None):
   c.seq_len = 1024 if task == "selective_copying" else 256
   c.data.eval_tokens = 256 * c.seq_len  # 256 held-out rows at this seq_len
   c.batch_size = 32
+  # Rows are made in the training loop's thread: a row takes about 20 us of NumPy, and grain's
+  # reader threads fighting the loop for the GIL made a Hawk step at length 1024 take 14 ms of
+  # host time against 4.3 ms on the GPU (H100, 2026-11-25, docs/synthetic.md).
+  c.data.read_threads = 0
   c.total_steps = 20_000 if task == "selective_copying" else 5_000
   c.log_every = 50
   c.eval_every = 500

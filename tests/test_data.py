@@ -175,6 +175,23 @@ def test_resume_from_json_state_gives_the_next_batches(corpus, source):
       np.testing.assert_array_equal(x[name], y[name])
 
 
+@pytest.mark.parametrize("source", ["builtin", "synthetic"])
+def test_reading_in_the_loop_thread_gives_the_threaded_batches_and_state(source):
+  """read_threads=0 (no reader threads, as configs/synthetic.py) reads the same rows, and its
+  state resumes a threaded iterator and back (a run may change the setting between restarts)."""
+  threaded = data.make_train_iterator(make_config(source=source, seq_len=48))
+  inline = data.make_train_iterator(make_config(source=source, seq_len=48, read_threads=0))
+  for x, y in zip(take(threaded, 6), take(inline, 6)):
+    for name in x:
+      np.testing.assert_array_equal(x[name], y[name])
+  state = json.loads(json.dumps(inline.get_state()))
+  assert state == json.loads(json.dumps(threaded.get_state()))
+  resumed = data.make_train_iterator(make_config(source=source, seq_len=48))
+  resumed.set_state(state)
+  for x, y in zip(take(inline, 3), take(resumed, 3)):
+    np.testing.assert_array_equal(x["inputs"], y["inputs"])
+
+
 def test_processes_read_disjoint_shares_that_cover_the_corpus(corpus):
   config = local_config(corpus, "jsonl", batch_size=8, seq_len=32)
   shares = []
@@ -379,6 +396,7 @@ def bad_configs(corpus, tmp_path):
   yield make_config(source="synthetic", synthetic={"task": "copy"}), "task='copy' is not one of"
   yield make_config(source="synthetic", seq_len=10), "seq_len=10 is too short"
   yield make_config(eval_tokens=0), "data.eval_tokens=0 must be a positive number of tokens"
+  yield make_config(read_threads=-1), "data.read_threads=-1 must be 0 (read in the training loop"
 
 
 def test_validate_reports_one_clear_line_per_bad_field(corpus, tmp_path):

@@ -72,8 +72,9 @@ def _rows(config, split: str, process_index: int, process_count: int,
   """Packed rows (dicts of [L + 1] arrays) of one process's share of ``split``: endless for
   training, one pass over the held-out documents for evaluation."""
   data = config.data
-  read_options = grain.ReadOptions(num_threads=data.read_threads,
-                                   prefetch_buffer_size=4 * buffer_rows)
+  read_options = grain.ReadOptions(
+      num_threads=data.read_threads,
+      prefetch_buffer_size=4 * buffer_rows if data.read_threads else 0)
   seed = config.seed if split == _TRAIN else _EVAL_SEED
   if data.source == "synthetic":
     return synthetic.rows(
