@@ -4,6 +4,7 @@
 - ``gla``: chunkwise Gated Linear Attention (Mosaic TPU, Triton GPU).
 - ``gates``: the RG-LRU's block-diagonal gate matmuls (Triton GPU).
 - ``mlp``: the gated MLP's GeLU gating with a one-pass backward (Triton GPU).
+- ``conv1d``: the recurrent block's causal Conv1D with a one-pass backward (Triton GPU).
 - ``attention``: splash attention on TPU.
 - ``dispatch``: which kernel runs on which platform (the platform compiled for, not the host).
 """

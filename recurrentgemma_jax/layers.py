@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels import conv1d as conv_kernels
 from pallas_kernels import dispatch
 from sharding import partitioning
 
@@ -140,9 +141,12 @@ class Conv1D(nnx.Module):
   """
 
   def __init__(self, width: int, temporal_width: int = 4, *, rngs: nnx.Rngs,
-               param_dtype=jnp.float32, dtype=jnp.float32):
+               param_dtype=jnp.float32, dtype=jnp.float32, impl: str = "xla"):
     self.temporal_width = temporal_width
     self.dtype = dtype
+    # xla | pallas: over whole rows (training, prefill from an empty cache), the backward as
+    # pallas_kernels.conv1d's Triton kernel (interpreted on a CPU; a TPU takes XLA's).
+    self.impl = impl
     self.w = param(rngs, fan_in_normal(0.01), (temporal_width, width), param_dtype,
                    (None, "lru"))
     self.b = zeros((width,), param_dtype, ("lru",))
@@ -184,12 +188,16 @@ class Conv1D(nnx.Module):
       before = segment_pos[:, :1] - slots + jnp.arange(slots)
       doc = jnp.concatenate([jnp.where(before >= 0, 0, -1), document_ids(segment_pos)], axis=1)
     padded = jnp.concatenate([history, x], axis=1)
-    out = jnp.zeros_like(x)
-    for shift in range(min(width, t + width - 1)):
-      window = padded[:, slots - shift: slots - shift + t]
-      same_doc = doc[:, slots - shift: slots - shift + t] == doc[:, slots:]
-      out = out + jnp.where(same_doc[..., None], window, 0) * w[slots - shift]
-    out = out + bias
+    platform = dispatch.target_platform()
+    if (state is None and self.impl == "pallas" and platform != "tpu"
+        and conv_kernels.supported(x.shape[-1])):
+      # Per device under a mesh (rows over ``data``, channels over ``model``).
+      rows = ("batch", None, "lru")
+      conv = functools.partial(conv_kernels.causal_conv1d, interpret=platform != "gpu")
+      out = partitioning.shard_local(conv, (rows, (None, "lru"), ("lru",), ("batch", None)),
+                                     rows)(x, self.w.value, self.b.value, doc[:, slots:])
+    else:
+      out = conv_kernels.forward(padded, doc, w, bias)
     # The last W-1 inputs, taken as tokens count + t - W + 1 .. count + t - 1: slot j holds
     # the one whose number is j mod W-1. (Those of an earlier document are kept: never read.)
     ring = jnp.take(padded[:, -slots:], (jnp.arange(slots) - count - t) % slots, axis=1)

@@ -28,6 +28,7 @@ FAMILIES = ("griffin", "hawk", "mqa", "gla")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 GATE_IMPLS = ("auto", "xla", "pallas")
 MLP_IMPLS = ("auto", "xla", "pallas")
+CONV1D_IMPLS = ("xla", "pallas")
 FUSED_RG_LRU = ("auto", "true", "false")
 SCAN_LAYERS = ("auto", "true", "false")
 BLOCK_TYPES = ("recurrent", "attention", "global_attention", "gla")
@@ -103,6 +104,7 @@ class ModelConfig:
   fused_rg_lru: str = "auto"            # auto | true | false: the RG-LRU layer as one fused kernel
   gate_impl: str = "auto"               # auto | xla | pallas: the RG-LRU's block-diagonal gate matmuls
   mlp_impl: str = "auto"                # auto | xla | pallas: the MLP's GeLU gating (its backward)
+  conv1d_impl: str = "xla"              # xla | pallas: the recurrent block's Conv1D backward (opt-in)
   remat: str = "none"
   scan_layers: str = "auto"  # auto | true | false: layers as one lax.scan (auto: with remat)
 
@@ -276,6 +278,9 @@ class ModelConfig:
                  "auto|pallas|xla_linear|xla_associative")
     if self.mlp_impl not in MLP_IMPLS:
       out.append(f"model.mlp_impl={self.mlp_impl!r} is not one of {'|'.join(MLP_IMPLS)}")
+    if self.conv1d_impl not in CONV1D_IMPLS:
+      out.append(f"model.conv1d_impl={self.conv1d_impl!r} is not one of "
+                 f"{'|'.join(CONV1D_IMPLS)}")
     if self.remat not in REMAT_POLICIES:
       out.append(f"model.remat={self.remat!r} is not one of {'|'.join(REMAT_POLICIES)}")
     if not isinstance(self.scan_layers, bool) and self.scan_layers not in SCAN_LAYERS:
@@ -341,7 +346,7 @@ def make_temporal_block(block_type: str, cfg: ModelConfig, rngs: nnx.Rngs, **kw)
         cfg.width, cfg.resolved_lru_width, cfg.resolved_gate_blocks, rngs=rngs,
         conv1d_temporal_width=cfg.conv1d_temporal_width, final_init_scale=final,
         scan_impl=cfg.scan_impl, fused_rg_lru=cfg.resolved_fused_rg_lru,
-        gate_impl=cfg.resolved_gate_impl, **kw)
+        gate_impl=cfg.resolved_gate_impl, conv1d_impl=cfg.conv1d_impl, **kw)
   if block_type in ("attention", "global_attention"):
     window = cfg.attention_window_size if block_type == "attention" else None
     return attention.MQAttention(cfg.width, cfg.num_heads, window, rngs=rngs,

@@ -144,13 +144,13 @@ class RecurrentBlock(nnx.Module):
   def __init__(self, width: int, lru_width: int, num_blocks: int, *, rngs: nnx.Rngs,
                conv1d_temporal_width: int = 4, final_init_scale: float = 1.0,
                scan_impl: str = "auto", fused_rg_lru: bool = False, gate_impl: str = "xla",
-               param_dtype=jnp.float32, dtype=jnp.float32):
+               conv1d_impl: str = "xla", param_dtype=jnp.float32, dtype=jnp.float32):
     kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
     self.linear_y = layers.Dense(width, lru_width, axes=("embed", "lru"), **kw)
     self.linear_x = layers.Dense(width, lru_width, axes=("embed", "lru"), **kw)
     self.linear_out = layers.Dense(lru_width, width, axes=("lru", "embed"),
                                    init_scale=final_init_scale, **kw)
-    self.conv_1d = layers.Conv1D(lru_width, conv1d_temporal_width, **kw)
+    self.conv_1d = layers.Conv1D(lru_width, conv1d_temporal_width, impl=conv1d_impl, **kw)
     self.rg_lru = RGLRU(lru_width, num_blocks, scan_impl=scan_impl, fused=fused_rg_lru,
                         gate_impl=gate_impl, **kw)
 

@@ -14,6 +14,7 @@ PACKAGES = {
     "pallas_kernels.gla": ["chunk_gla", "gla_recurrent_step", "gla_reference"],
     "pallas_kernels.gates": ["block_diagonal_matmul", "supported"],
     "pallas_kernels.mlp": ["gated_gelu", "supported"],
+    "pallas_kernels.conv1d": ["causal_conv1d", "forward", "supported"],
 }
 
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels  # noqa: E402
+from pallas_kernels.conv1d import causal  # noqa: E402
 from pallas_kernels.gates import block_diagonal  # noqa: E402
 from pallas_kernels.mlp import gating  # noqa: E402
 
@@ -64,6 +65,10 @@ def cases(tiny: bool):
   mlp = lambda up, bias: gating.gated_gelu(up, bias, interpret=interpret)
   yield ("mlp_gating", mlp, gating.forward,
          [("x", (n, 2, m)), ("x", (2, m))])
+  cb, ct, cd = (2, 45, 48) if tiny else (4, 2048, 2048)       # Griffin 400M's Conv1D, 4 rows
+  conv = lambda x, w, b, doc: causal.causal_conv1d(x, w, b, doc, interpret=interpret)
+  yield ("conv1d", conv, causal.reference,
+         [("x", (cb, ct, cd)), ("param", (4, cd)), ("param", (cd,)), ("documents", (cb, ct))])
 
 
 def make_inputs(specs, dtype, key):
@@ -71,6 +76,8 @@ def make_inputs(specs, dtype, key):
   for (kind, shape), k in zip(specs, jax.random.split(key, len(specs))):
     if kind == "reset":
       out.append(jax.random.bernoulli(k, 0.002, shape))
+    elif kind == "documents":  # document numbers of packed rows, a new one every ~50 tokens
+      out.append(jnp.cumsum(jax.random.bernoulli(k, 0.02, shape), axis=-1, dtype=jnp.int32))
     elif kind == "param":
       out.append(jax.random.normal(k, shape, jnp.float32))
     elif kind == "decay":

@@ -1,0 +1,169 @@
+"""The recurrent block's causal Conv1D over time, reset at documents, with a one-pass backward.
+
+``causal_conv1d(x, w, b, doc) -> y`` with ``x: [B, T, D]``, ``w: [W, D]`` (``W`` taps),
+``b: [D]``, ``doc: [B, T]`` int document numbers (``layers.document_ids``)::
+
+    y[t] = b + sum_{s < W} w[W-1-s] * x[t-s]   over the taps with t-s >= 0 and doc[t-s] == doc[t]
+
+in ``x``'s dtype. ``forward`` is the same sum over a sequence with a history in front (the
+decoding cache's last inputs); ``layers.Conv1D`` computes with it on every path.
+
+Autodiff of that sum gave one multi-output XLA fusion per layer that read the output gradient
+and the input at each of the ``W`` shifts and reduced the tap gradients in bfloat16; on an H100
+it took 0.32 ms a layer at Griffin-400M's shape (plus 0.24 ms of follow-up passes) against 0.14 ms
+for its bytes (docs/performance.md, session 15). The backward here is one Triton kernel over
+``[rows, cols]`` tiles of one row ``b``: with ``u = t + s``,
+
+    dx[t]        = sum_s w[W-1-s] * dy[u] * [doc[u] == doc[t], u < T]
+    dw[W-1-s]   += sum_t x[t] * dy[u] * [doc[u] == doc[t], u < T]
+    db          += sum_t dy[t]
+
+so it reads ``x`` once, ``dy`` at ``W`` forward shifts of the same tile (cache hits), writes
+``dx`` and float32 partial sums of ``dw`` and ``db`` per tile, summed outside.
+
+``interpret=True``: Pallas' interpreter (the CPU tests). ``backward_reference`` is the same
+backward in jnp (float32), the path where ``supported`` says no.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_ROWS = 32                       # time rows per program
+_COLS = (128, 64, 32, 16)        # channels per program: the largest that divides D
+
+
+def supported(d: int) -> bool:
+  """Whether the kernel takes ``d`` channels (any ``B`` and ``T``): a multiple of 16."""
+  return d % 16 == 0
+
+
+def forward(padded, doc, w, b):
+  """The convolution of the last ``T`` rows of ``padded: [B, H + T, D]`` (``H >= W - 1`` rows
+  of history first), ``doc: [B, H + T]`` their document numbers (history rows that belong to no
+  document: a number no token has, such as -1). In ``padded``'s dtype."""
+  dtype = padded.dtype
+  w, b = w.astype(dtype), b.astype(dtype)
+  width = w.shape[0]
+  t = padded.shape[1] - (width - 1)
+  out = jnp.zeros((padded.shape[0], t, padded.shape[2]), dtype)
+  for shift in range(min(width, t + width - 1)):
+    start = width - 1 - shift
+    same_doc = doc[:, start: start + t] == doc[:, width - 1:]
+    out = out + jnp.where(same_doc[..., None], padded[:, start: start + t], 0) * w[width - 1 - shift]
+  return out + b
+
+
+def _with_empty_history(x, doc, width):
+  padded = jnp.pad(x, ((0, 0), (width - 1, 0), (0, 0)))
+  doc = jnp.pad(doc, ((0, 0), (width - 1, 0)), constant_values=-1)
+  return padded, doc
+
+
+def reference(x, w, b, doc):
+  """``causal_conv1d``'s value in jnp (``forward`` over an empty history), for checks."""
+  return forward(*_with_empty_history(x, doc, w.shape[0]), w, b)
+
+
+def backward_reference(x, w, b, doc, dy):
+  """``(dx, dw, db)`` of ``causal_conv1d`` in float32 jnp, cast to the inputs' dtypes."""
+  f32 = jnp.float32
+  width, t = w.shape[0], x.shape[1]
+  dy32 = jnp.pad(dy.astype(f32), ((0, 0), (0, width - 1), (0, 0)))
+  doc_ahead = jnp.pad(doc, ((0, 0), (0, width - 1)), constant_values=-2)
+  dx = jnp.zeros(x.shape, f32)
+  dw = []
+  for s in range(width):
+    term = jnp.where((doc_ahead[:, s: s + t] == doc)[..., None], dy32[:, s: s + t], 0.0)
+    dx = dx + term * w[width - 1 - s].astype(f32)
+    dw.append(jnp.sum(term * x.astype(f32), axis=(0, 1)))
+  dw = jnp.stack(dw[::-1])
+  return dx.astype(x.dtype), dw.astype(w.dtype), jnp.sum(dy32, axis=(0, 1)).astype(b.dtype)
+
+
+def _index(i):  # a static index as an array (static ints trip the interpreter's discharge)
+  return jnp.asarray(i, jnp.int32)
+
+
+def _bwd_kernel(dy_ref, x_ref, w_ref, doc_ref, dx_ref, part_ref, *, T, width, cols):
+  # Whole arrays in, no BlockSpecs: the rows a program reads overlap its neighbours' (the W
+  # shifts), so each load names its rows and masks those past T.
+  f32 = jnp.float32
+  b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  t0 = i * _ROWS
+  rows = t0 + jnp.arange(_ROWS)
+  channels = pl.ds(j * cols, cols)
+  in_rows = rows < T
+  doc_t = plgpu.load(doc_ref.at[b, pl.ds(t0, _ROWS)], mask=in_rows, other=-2)
+  x_t = plgpu.load(x_ref.at[b, pl.ds(t0, _ROWS), channels], mask=in_rows[:, None],
+                   other=0.0).astype(f32)
+  dx = jnp.zeros((_ROWS, cols), f32)
+  for s in range(width):
+    ahead = (rows + s) < T
+    doc_u = plgpu.load(doc_ref.at[b, pl.ds(t0 + s, _ROWS)], mask=ahead, other=-3)
+    dy_u = plgpu.load(dy_ref.at[b, pl.ds(t0 + s, _ROWS), channels], mask=ahead[:, None],
+                      other=0.0).astype(f32)
+    if s == 0:  # the bias: every row's dy once
+      plgpu.store(part_ref.at[b, i, _index(width), channels], jnp.sum(dy_u, axis=0))
+    term = jnp.where(((doc_u == doc_t) & in_rows)[:, None], dy_u, 0.0)
+    tap = _index(width - 1 - s)
+    dx += term * plgpu.load(w_ref.at[tap, channels]).astype(f32)[None, :]
+    plgpu.store(part_ref.at[b, i, tap, channels], jnp.sum(term * x_t, axis=0))
+  plgpu.store(dx_ref.at[b, pl.ds(t0, _ROWS), channels], dx.astype(dx_ref.dtype),
+              mask=in_rows[:, None])
+
+
+def _backward_kernel(x, w, doc, dy, interpret):
+  bsz, t, d = x.shape
+  width = w.shape[0]
+  cols = next(c for c in _COLS if d % c == 0)
+  blocks = pl.cdiv(t, _ROWS)
+  dx, partials = pl.pallas_call(
+      functools.partial(_bwd_kernel, T=t, width=width, cols=cols),
+      out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype),
+                 jax.ShapeDtypeStruct((bsz, blocks, width + 1, d), jnp.float32)),
+      grid=(bsz, blocks, d // cols),
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4),
+      interpret=interpret,
+  )(dy, x, w, doc)
+  sums = partials.sum(axis=(0, 1))
+  return dx, sums[:width], sums[width]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _conv(x, w, b, doc, interpret):
+  return reference(x, w, b, doc)
+
+
+def _conv_fwd(x, w, b, doc, interpret):
+  return _conv(x, w, b, doc, interpret), (x, w, b, doc)
+
+
+def _conv_bwd(interpret, residuals, dy):
+  x, w, b, doc = residuals
+  if supported(x.shape[-1]):
+    dx, dw, db = _backward_kernel(x, w, doc, dy.astype(x.dtype), interpret)
+    dw, db = dw.astype(w.dtype), db.astype(b.dtype)
+  else:
+    dx, dw, db = backward_reference(x, w, b, doc, dy)
+  return dx, dw, db, None
+
+
+_conv.defvjp(_conv_fwd, _conv_bwd)
+
+
+def causal_conv1d(x: jax.Array, w: jax.Array, b: jax.Array, doc: jax.Array, *,
+                  interpret: bool = False) -> jax.Array:
+  """``x: [B, T, D]``, ``w: [W, D]``, ``b: [D]``, ``doc: [B, T]`` int -> ``[B, T, D]`` (see the
+  module docstring). ``w`` and ``b`` may be float32 parameters: they are cast to ``x``'s dtype
+  for the sum, and their gradients come back in their own dtype."""
+  if x.ndim != 3 or w.ndim != 2 or w.shape[1] != x.shape[2] or b.shape != (x.shape[2],) \
+      or doc.shape != x.shape[:2]:
+    raise ValueError(f"causal_conv1d takes x [B, T, D], w [W, D], b [D], doc [B, T]; got "
+                     f"{x.shape}, {w.shape}, {b.shape}, {doc.shape}")
+  return _conv(x, w, b, doc.astype(jnp.int32), interpret)
