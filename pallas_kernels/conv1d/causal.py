@@ -55,7 +55,7 @@ def forward(padded, doc, w, b):
   for shift in range(min(width, t + width - 1)):
     start = width - 1 - shift
     same_doc = doc[:, start: start + t] == doc[:, width - 1:]
-    out = out + jnp.where(same_doc[..., None], padded[:, start: start + t], 0) * w[width - 1 - shift]
+    out = out + jnp.where(same_doc[..., None], padded[:, start: start + t], 0) * w[start]
   return out + b
 
 

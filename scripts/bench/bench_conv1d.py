@@ -1,7 +1,8 @@
 """The recurrent block's Conv1D at the training shapes: XLA's autodiff against the Triton backward
 of ``pallas_kernels.conv1d`` (``model.conv1d_impl``).
 
-    python scripts/bench/bench_conv1d.py [--shapes 16x2048x2048,16x2048x2560] [--docs 3] [--iters 20]
+    python scripts/bench/bench_conv1d.py [--shapes 16x2048x2048,16x2048x2560] [--docs 3]
+        [--iters 20]
 
 Per shape (rows B x length T x channels D: Griffin 400M's and 1.3B's RG-LRU width), bfloat16, 4
 taps, rows packed with ``--docs`` documents each: ``layers.Conv1D`` forward + backward (the
@@ -47,7 +48,8 @@ def packed_positions(batch, length, docs):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--shapes", default="16x2048x2048,16x2048x2560", help="B x T x D, comma-separated")
+  parser.add_argument("--shapes", default="16x2048x2048,16x2048x2560",
+                      help="B x T x D, comma-separated")
   parser.add_argument("--docs", type=int, default=3, help="documents per row")
   parser.add_argument("--iters", type=int, default=20)
   args = parser.parse_args()
