@@ -102,3 +102,18 @@ def test_griffin_with_the_conv1d_kernel_equals_xla_autodiff():
   helpers.assert_grads_close(g_kernel, g_xla)
   assert dataclasses.replace(cfg, conv1d_impl="auto").errors() == [
       "model.conv1d_impl='auto' is not one of xla|pallas"]
+
+
+def test_conv1d_backward_lowers_for_a_gpu():
+  # The Triton kernel lowers for CUDA on this CPU machine (no GPU needed): Griffin 400M's
+  # layer shape, and an odd length whose last tile is masked.
+  for t in (2048, 37):
+    x = jax.ShapeDtypeStruct((2, t, 2048), jnp.bfloat16)
+    w, b = jax.ShapeDtypeStruct((4, 2048), jnp.float32), jax.ShapeDtypeStruct((2048,), jnp.float32)
+    doc = jax.ShapeDtypeStruct((2, t), jnp.int32)
+
+    def fwd_bwd(x, w, b, doc, dy):
+      y, vjp = jax.vjp(lambda x, w, b: kernel.causal_conv1d(x, w, b, doc), x, w, b)
+      return y, vjp(dy)
+    text = jax.jit(fwd_bwd).trace(x, w, b, doc, x).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("@__gpu$xla.gpu.triton") == 1, t

@@ -78,3 +78,18 @@ def test_mqa_with_the_mlp_kernel_equals_xla_autodiff():
   assert cfg.resolved_mlp_impl == "xla"  # auto: the kernel only on GPUs
   assert dataclasses.replace(cfg, mlp_impl="triton").errors() == [
       "model.mlp_impl='triton' is not one of auto|xla|pallas"]
+
+
+def test_gating_backward_lowers_for_a_gpu():
+  # The Triton kernel lowers for CUDA on this CPU machine (no GPU needed), at MQA-400M's width
+  # and with rows that pad the last tile.
+  for n in (4096, 70):
+    up = jax.ShapeDtypeStruct((n, 2, 4608), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((2, 4608), jnp.bfloat16)
+    dh = jax.ShapeDtypeStruct((n, 4608), jnp.bfloat16)
+
+    def fwd_bwd(up, bias, dh):
+      h, vjp = jax.vjp(kernel.gated_gelu, up, bias)
+      return h, vjp(dh)
+    text = jax.jit(fwd_bwd).trace(up, bias, dh).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("@__gpu$xla.gpu.triton") == 1, n
