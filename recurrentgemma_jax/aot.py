@@ -293,7 +293,8 @@ def _compile(lowered) -> Program:
       return Program(None, Memory(), elapsed,
                      f"a kernel's tiles need more shared memory than the device has "
                      f"({first_line(e, 400)}); the XLA paths avoid the Pallas kernels: "
-                     f"--config.model.fused_rg_lru=false --config.model.gate_impl=xla --config.model.mlp_impl=xla "
+                     f"--config.model.fused_rg_lru=false --config.model.gate_impl=xla "
+                     f"--config.model.mlp_impl=xla --config.model.conv1d_impl=xla "
                      f"--config.model.scan_impl=xla_linear (please report the config)")
     if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
       memory = Memory()

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels import conv1d as conv_kernels
+from pallas_kernels.conv1d import causal as conv_kernels
 from pallas_kernels import dispatch
 from sharding import partitioning
 
@@ -174,20 +174,18 @@ class Conv1D(nnx.Module):
         out = out + jnp.where(valid, tap[:, None].astype(x.dtype), 0) * w[slots - shift]
       return out, jax.lax.dynamic_update_index_in_dim(state, x[:, 0].astype(state.dtype),
                                                       count % slots, axis=0)
+    doc = document_ids(segment_pos)
     if state is None:
-      history = jnp.zeros((x.shape[0], slots, x.shape[2]), x.dtype)
-      # Tokens before the row belong to no document: taps reaching them are masked below.
-      doc = document_ids(segment_pos)
-      doc = jnp.concatenate([jnp.full((doc.shape[0], slots), -1, doc.dtype), doc], axis=1)
+      # Tokens before the row belong to no document: taps reaching them are masked.
+      padded, padded_doc = conv_kernels.with_empty_history(x, doc, width)
     else:
       # The cached inputs in time order (slots count, count + 1, ... mod W-1), at positions
       # p0 - W + 1 .. p0 - 1 before the first new token's p0: those before its document
       # (negative positions) are masked, all of them when p0 starts a new document.
       history = jnp.take(state.astype(x.dtype), (count + jnp.arange(slots)) % slots, axis=0)
-      history = history.swapaxes(0, 1)
+      padded = jnp.concatenate([history.swapaxes(0, 1), x], axis=1)
       before = segment_pos[:, :1] - slots + jnp.arange(slots)
-      doc = jnp.concatenate([jnp.where(before >= 0, 0, -1), document_ids(segment_pos)], axis=1)
-    padded = jnp.concatenate([history, x], axis=1)
+      padded_doc = jnp.concatenate([jnp.where(before >= 0, 0, -1), doc], axis=1)
     platform = dispatch.target_platform()
     if (state is None and self.impl == "pallas" and platform != "tpu"
         and conv_kernels.supported(x.shape[-1])):
@@ -195,9 +193,9 @@ class Conv1D(nnx.Module):
       rows = ("batch", None, "lru")
       conv = functools.partial(conv_kernels.causal_conv1d, interpret=platform != "gpu")
       out = partitioning.shard_local(conv, (rows, (None, "lru"), ("lru",), ("batch", None)),
-                                     rows)(x, self.w.value, self.b.value, doc[:, slots:])
+                                     rows)(x, self.w.value, self.b.value, doc)
     else:
-      out = conv_kernels.forward(padded, doc, w, bias)
+      out = conv_kernels.forward(padded, padded_doc, w, bias)
     # The last W-1 inputs, taken as tokens count + t - W + 1 .. count + t - 1: slot j holds
     # the one whose number is j mod W-1. (Those of an earlier document are kept: never read.)
     ring = jnp.take(padded[:, -slots:], (jnp.arange(slots) - count - t) % slots, axis=1)

@@ -59,7 +59,9 @@ def forward(padded, doc, w, b):
   return out + b
 
 
-def _with_empty_history(x, doc, width):
+def with_empty_history(x, doc, width):
+  """``forward``'s inputs for a sequence with nothing before it: ``W - 1`` zero rows in front of
+  ``x: [B, T, D]``, and document number -1 (no token's) for them in front of ``doc``."""
   padded = jnp.pad(x, ((0, 0), (width - 1, 0), (0, 0)))
   doc = jnp.pad(doc, ((0, 0), (width - 1, 0)), constant_values=-1)
   return padded, doc
@@ -67,7 +69,7 @@ def _with_empty_history(x, doc, width):
 
 def reference(x, w, b, doc):
   """``causal_conv1d``'s value in jnp (``forward`` over an empty history), for checks."""
-  return forward(*_with_empty_history(x, doc, w.shape[0]), w, b)
+  return forward(*with_empty_history(x, doc, w.shape[0]), w, b)
 
 
 def backward_reference(x, w, b, doc, dy):
