@@ -100,12 +100,16 @@ def weights_in_compute_dtype(model):
 
 
 def decode(model, cache, logits, positions, params: SamplingParams, *, pad_id: int = 0,
-           return_logits: bool = False, stream: Callable | None = None):
+           return_logits: bool = False, stream: Callable | None = None,
+           return_cache: bool = False):
   """The decoding loop (one ``lax.scan``, traced inside a jit): ``params.max_new_tokens`` tokens
   per row, the first chosen from ``logits`` (``[B, V]``, the prompt's last), each fed through
   ``model.extend`` at the row's next position (``positions``, ``[B]``) with ``cache`` and the
   next chosen from its logits in the same step. Returns ``(tokens, done, logits)``, time first
-  (``[N, B]``; the logits each token came from ``[N, B, V]``, or None). The loop carries the
+  (``[N, B]``; the logits each token came from ``[N, B, V]``, or None), and with
+  ``return_cache`` the cache after the last step as a fourth item (a caller that donates
+  ``cache`` to its jit then updates it in place: otherwise XLA copies every cache buffer into
+  the loop, 27 GB for MQA 1.3B at 1024 rows). The loop carries the
   chosen token, not the ``[B, V]`` logits (float32: at 2048 rows and a 256K vocabulary, 2 GB
   written and read again at every step), and reads the weights in the compute dtype
   (``weights_in_compute_dtype``)."""
@@ -132,7 +136,8 @@ def decode(model, cache, logits, positions, params: SamplingParams, *, pad_id: i
   not_done = jnp.zeros((logits.shape[0],), bool)
   init = (cache, pick(logits, keys[0], not_done), positions, not_done,
           logits if return_logits else None)
-  return jax.lax.scan(step, init, jnp.roll(keys, -1, axis=0))[1]
+  carry, outputs = jax.lax.scan(step, init, jnp.roll(keys, -1, axis=0))
+  return (*outputs, carry[0]) if return_cache else outputs
 
 
 def lower_sample(graphdef, state, prompts: Sequence[Sequence[int]],

@@ -100,8 +100,9 @@ def test_griffin_with_the_conv1d_kernel_equals_xla_autodiff():
   (l_xla, g_xla), (l_kernel, g_kernel) = loss_and_grads("xla"), loss_and_grads("pallas")
   assert l_kernel == l_xla  # the same jnp forward
   helpers.assert_grads_close(g_kernel, g_xla)
-  assert dataclasses.replace(cfg, conv1d_impl="auto").errors() == [
-      "model.conv1d_impl='auto' is not one of xla|pallas"]
+  assert cfg.resolved_conv1d_impl == "xla"  # auto: the kernel only on GPUs
+  assert dataclasses.replace(cfg, conv1d_impl="triton").errors() == [
+      "model.conv1d_impl='triton' is not one of auto|xla|pallas"]
 
 
 def test_conv1d_backward_lowers_for_a_gpu():
