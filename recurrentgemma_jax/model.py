@@ -87,6 +87,10 @@ class ModelConfig:
   attention_window_size: int = 2048
   num_gate_blocks: int | None = None     # block-diagonal RG-LRU gate blocks; None: num_heads
   conv1d_temporal_width: int = 4
+  # The RG-LRU's initial decay: a^c uniform in [rg_lru_min_ac, rg_lru_max_ac] (the paper's 0.9,
+  # 0.999). Initialisation only: checkpoints do not depend on it.
+  rg_lru_min_ac: float = 0.9
+  rg_lru_max_ac: float = 0.999
   embeddings_scale_by_sqrt_dim: bool = True
   logits_soft_cap: float = 30.0          # 0 disables the tanh cap
   block_types: tuple[str, ...] | None = None
@@ -295,6 +299,9 @@ class ModelConfig:
     if not isinstance(self.scan_layers, bool) and self.scan_layers not in SCAN_LAYERS:
       out.append(f"model.scan_layers={self.scan_layers!r} is not one of "
                  f"{'|'.join(SCAN_LAYERS)}")
+    if not 0.0 < self.rg_lru_min_ac < self.rg_lru_max_ac < 1.0:
+      out.append(f"model.rg_lru_min_ac={self.rg_lru_min_ac} and model.rg_lru_max_ac="
+                 f"{self.rg_lru_max_ac} must satisfy 0 < min < max < 1")
     if self.logits_soft_cap < 0:
       out.append(f"model.logits_soft_cap={self.logits_soft_cap} must be >= 0 (0 disables it)")
     return out
@@ -355,7 +362,8 @@ def make_temporal_block(block_type: str, cfg: ModelConfig, rngs: nnx.Rngs, **kw)
         cfg.width, cfg.resolved_lru_width, cfg.resolved_gate_blocks, rngs=rngs,
         conv1d_temporal_width=cfg.conv1d_temporal_width, final_init_scale=final,
         scan_impl=cfg.scan_impl, fused_rg_lru=cfg.resolved_fused_rg_lru,
-        gate_impl=cfg.resolved_gate_impl, conv1d_impl=cfg.resolved_conv1d_impl, **kw)
+        gate_impl=cfg.resolved_gate_impl, conv1d_impl=cfg.resolved_conv1d_impl,
+        a_init=(cfg.rg_lru_min_ac, cfg.rg_lru_max_ac), **kw)
   if block_type in ("attention", "global_attention"):
     window = cfg.attention_window_size if block_type == "attention" else None
     return attention.MQAttention(cfg.width, cfg.num_heads, window, rngs=rngs,

@@ -92,12 +92,14 @@ class RGLRU(nnx.Module):
   """Real-Gated Linear Recurrent Unit over ``width`` channels."""
 
   def __init__(self, width: int, num_blocks: int, *, rngs: nnx.Rngs, scan_impl: str = "auto",
-               fused: bool = False, gate_impl: str = "xla", param_dtype=jnp.float32,
+               fused: bool = False, gate_impl: str = "xla",
+               a_init: tuple[float, float] = (0.9, 0.999), param_dtype=jnp.float32,
                dtype=jnp.float32):
+    """``a_init``: the range ``a^c`` is drawn from, uniformly (``a_param_init``)."""
     self.scan_impl = scan_impl
     self.fused = fused
     self.dtype = dtype
-    self.a_param = layers.param(rngs, a_param_init(), (width,), param_dtype, ("lru",))
+    self.a_param = layers.param(rngs, a_param_init(*a_init), (width,), param_dtype, ("lru",))
     kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
     self.input_gate = layers.BlockDiagonalLinear(width, width, num_blocks, impl=gate_impl, **kw)
     self.a_gate = layers.BlockDiagonalLinear(width, width, num_blocks, impl=gate_impl, **kw)
@@ -144,7 +146,8 @@ class RecurrentBlock(nnx.Module):
   def __init__(self, width: int, lru_width: int, num_blocks: int, *, rngs: nnx.Rngs,
                conv1d_temporal_width: int = 4, final_init_scale: float = 1.0,
                scan_impl: str = "auto", fused_rg_lru: bool = False, gate_impl: str = "xla",
-               conv1d_impl: str = "xla", param_dtype=jnp.float32, dtype=jnp.float32):
+               conv1d_impl: str = "xla", a_init: tuple[float, float] = (0.9, 0.999),
+               param_dtype=jnp.float32, dtype=jnp.float32):
     kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
     self.linear_y = layers.Dense(width, lru_width, axes=("embed", "lru"), **kw)
     self.linear_x = layers.Dense(width, lru_width, axes=("embed", "lru"), **kw)
@@ -152,7 +155,7 @@ class RecurrentBlock(nnx.Module):
                                    init_scale=final_init_scale, **kw)
     self.conv_1d = layers.Conv1D(lru_width, conv1d_temporal_width, impl=conv1d_impl, **kw)
     self.rg_lru = RGLRU(lru_width, num_blocks, scan_impl=scan_impl, fused=fused_rg_lru,
-                        gate_impl=gate_impl, **kw)
+                        gate_impl=gate_impl, a_init=a_init, **kw)
 
   def __call__(
       self,

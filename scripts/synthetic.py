@@ -179,6 +179,48 @@ def write_report(out, results, steps_done, curves, lengths, args, failed):
   return table
 
 
+def merge_reports(dirs: list[str], out: str) -> str:
+  """One learning-curve plot per task and a table of the steps at which each run first reached
+  50%, 90% and 99% held-out accuracy, from the ``synthetic.json`` of each directory in
+  ``dirs`` (labelled ``DIR: model``). Returns the table."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  runs = []
+  for d in dirs:
+    path = os.path.join(d, "synthetic.json")
+    if not os.path.exists(path):
+      sys.exit(f"error: --merge: {path} does not exist (run scripts/synthetic.py --out {d} first)")
+    with open(path) as f:
+      for key, value in json.load(f).items():
+        task, model = key.split("/")
+        runs.append((task, f"{os.path.basename(os.path.normpath(d))}: {model}", value))
+  lines = ["| task | run | steps | first at 50% / 90% / 99% | accuracy by length |",
+           "|---|---|---|---|---|"]
+  for task, label, value in runs:
+    curve = value["curve"]
+    first = [next((s for s, a in curve if a >= t), None) for t in (0.5, 0.9, 0.99)]
+    lines.append(f"| {task} | {label} | {curve[-1][0] if curve else '-'} | "
+                 + " / ".join("-" if s is None else str(s) for s in first) + " | "
+                 + ", ".join(f"{n}: {a:.3f}" for n, a in value["accuracy"].items()) + " |")
+  tasks = sorted({t for t, _, _ in runs})
+  os.makedirs(out, exist_ok=True)
+  fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
+  for ax, task in zip(axes[0], tasks):
+    for t, label, value in runs:
+      if t == task and value["curve"]:
+        ax.plot(*zip(*value["curve"]), marker=".", markersize=3, label=label)
+    ax.set(title=task, xlabel="training step", ylabel="held-out answer accuracy", ylim=(0, 1.02))
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "learning.png"), dpi=120)
+  plt.close(fig)
+  table = "\n".join(lines) + "\n"
+  with open(os.path.join(out, "merged.md"), "w") as f:
+    f.write(table)
+  return table
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True)
@@ -192,7 +234,14 @@ def main():
                       help="seconds after which running trainings are stopped (0: none)")
   parser.add_argument("--skip_training", action="store_true", help="only evaluate and report")
   parser.add_argument("--tiny", action="store_true", help="a quick CPU check of the script")
+  parser.add_argument("--merge", default="",
+                      help="DIR,DIR,...: no training; the learning curves of these earlier "
+                           "--out directories (seeds or variants run apart) in one plot and "
+                           "table, written to --out")
   args, rest = parser.parse_known_args()
+  if args.merge:
+    print(merge_reports([d for d in args.merge.split(",") if d], args.out))
+    return
   args.config_overrides, unknown = cli.split_config_flags(rest)
   if unknown:
     sys.exit(f"error: unknown argument {unknown[0]!r}; training fields are given as "

@@ -150,6 +150,23 @@ def test_config_errors_name_the_field():
   assert any("num_gate_blocks" in e for e in tiny_config(num_gate_blocks=5).errors())
   assert dataclasses.replace(tiny_config(), scan_impl="cuda").errors()[0].startswith(
       "model.scan_impl='cuda'")
+  assert tiny_config(rg_lru_min_ac=0.99, rg_lru_max_ac=0.9).errors() == [
+      "model.rg_lru_min_ac=0.99 and model.rg_lru_max_ac=0.9 must satisfy 0 < min < max < 1"]
+
+
+@pytest.mark.parametrize("low,high", [(0.9, 0.999), (0.99, 0.9999)])
+def test_rg_lru_decay_starts_in_the_configured_range(low, high):
+  # a^c = exp(-c softplus(a_param)) uniform in [low, high] in every recurrent layer (the
+  # synthetic Selective Copying config starts with the longer memory, docs/synthetic.md).
+  model = model_lib.init_model(tiny_config(family="hawk", lru_width=512, rg_lru_min_ac=low,
+                                           rg_lru_max_ac=high), seed=3)
+  from recurrentgemma_jax import recurrent  # pylint: disable=g-import-not-at-top
+  ac = np.concatenate([
+      np.exp(-recurrent.C * np.asarray(jax.nn.softplus(b.temporal.rg_lru.a_param.value)))
+      for b in model.blocks])
+  assert low - 1e-6 <= ac.min() < low + 0.05 * (high - low)
+  assert high - 0.05 * (high - low) < ac.max() <= high + 1e-6
+  assert abs(ac.mean() - (low + high) / 2) < 0.05 * (high - low)
 
 
 @pytest.mark.parametrize("t,window,band_block", [(17, 5, None), (9, 3, None), (64, 16, None),

@@ -170,6 +170,21 @@ def test_synthetic_experiment_script_trains_evaluates_beyond_training_length(tmp
   run_script("synthetic.py", *args, "--skip_training")
   with open(tmp_path / "synthetic.json") as f:
     assert json.load(f) == first
+  # --merge: runs made apart (seeds, variants) in one plot and a table of first steps at
+  # 50/90/99%, from their synthetic.json files.
+  other = tmp_path / "seed1"
+  other.mkdir()
+  with open(other / "synthetic.json", "w") as f:
+    json.dump({"induction_heads/hawk": {"accuracy": {"32": 0.995},
+                                        "curve": [[2, 0.3], [4, 0.6], [6, 0.95], [8, 0.995]]}}, f)
+  merged = run_script("synthetic.py", f"--out={tmp_path / 'merged'}",
+                      f"--merge={tmp_path},{other}").stdout
+  assert "| induction_heads | seed1: hawk | 8 | 4 / 6 / 8 | 32: 0.995 |" in merged, merged
+  assert merged.count("| induction_heads |") == 3
+  assert (tmp_path / "merged" / "learning.png").read_bytes()[:4] == b"\x89PNG"
+  missing = run_script("synthetic.py", f"--out={tmp_path / 'm2'}", f"--merge={tmp_path / 'none'}",
+                       check=False)
+  assert missing.returncode != 0 and "synthetic.json does not exist" in missing.stderr
 
 
 def test_official_model_control_trains_on_the_synthetic_rows(tmp_path):
