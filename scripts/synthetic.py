@@ -15,6 +15,11 @@ its step and exits; rerun to continue). Then each latest checkpoint is evaluated
 (the table), ``DIR/synthetic.json``, ``DIR/learning.png`` (held-out answer accuracy against
 training step, Fig. 6(a)) and ``DIR/lengths.png`` (accuracy against evaluation length,
 Fig. 6(b)). ``--tiny`` (a CPU check of the script): few steps, short rows.
+
+  python scripts/synthetic.py --out DIR --merge DIR1,DIR2,...
+
+draws the learning curves of earlier runs made apart (seeds, variants) in one ``DIR/learning.png``
+and writes ``DIR/merged.md``: the steps at which each first reached 50%, 90% and 99%.
 """
 
 import argparse
