@@ -8,7 +8,7 @@ Per shape (rows B x length T x channels D: Griffin 400M's and 1.3B's RG-LRU widt
 taps, rows packed with ``--docs`` documents each: ``layers.Conv1D`` forward + backward (the
 gradients of the input, the taps and the bias), against its bytes floor: the forward reads ``x``
 and writes ``y`` (2 B T D elements), the backward reads ``dy`` and ``x`` and writes ``dx``
-(3 B T D), at the copy ceiling measured in the run (``bench_mlp.copy_ceiling_tbs``). Before
+(3 B T D), at the copy ceiling measured in the run (``timing.copy_ceiling``). Before
 timing, both paths' gradients are compared with XLA's autodiff in float32 on the device.
 """
 
@@ -25,9 +25,8 @@ import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp
 from flax import nnx
 
-from bench_mlp import copy_ceiling_tbs  # pylint: disable=g-import-not-at-top  (scripts/bench/)
 from recurrentgemma_jax import layers
-from timing import time_fn  # pylint: disable=g-import-not-at-top  (scripts/bench/)
+from timing import copy_ceiling, time_fn  # pylint: disable=g-import-not-at-top  (scripts/bench/)
 
 
 def conv_step(impl, width, dtype):
@@ -54,7 +53,7 @@ def main():
   parser.add_argument("--iters", type=int, default=20)
   args = parser.parse_args()
   dev = jax.devices()[0]
-  ceiling = copy_ceiling_tbs()
+  ceiling = copy_ceiling() / 1e12
   print(f"{dev.device_kind}, jax {jax.__version__}, bfloat16, {args.docs} documents a row, copy "
         f"ceiling {ceiling:.2f} TB/s")
   print("| B x T x D | XLA autodiff (ms) | Triton backward (ms) | bytes floor (ms) | floor reached "

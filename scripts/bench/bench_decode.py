@@ -64,6 +64,7 @@ def main():
   import numpy as np  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from recurrentgemma_jax import aot, flops, sampling  # pylint: disable=g-import-not-at-top
+  import timing  # pylint: disable=g-import-not-at-top  (scripts/bench/, beside this file)
 
   os.makedirs(args.out, exist_ok=True)
   new_counts = [int(n) for n in args.new_tokens.split(",")]
@@ -98,7 +99,7 @@ def main():
     return isinstance(e, OverBudget) or "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in str(e)
 
   peak = flops.device_peak_flops() or 0.0
-  ceiling = copy_ceiling(jax, 2**30 if not args.tiny else 2**24)
+  ceiling = timing.copy_ceiling(2**30 if not args.tiny else 2**24)
   results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
              "command": " ".join(sys.argv), "out": args.out, "peak_flops": peak,
@@ -168,19 +169,6 @@ def build_model(family: str, size: str, vocab_size: int, tiny: bool = False):
 
 class OverBudget(Exception):
   """A batch whose compiled program does not fit ``--hbm_budget_gb``."""
-
-
-def copy_ceiling(jax, nbytes: int, iters: int = 10) -> float:
-  """Bytes per second (read plus written) of a jitted ``x + 1`` over ``nbytes`` of bfloat16."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  x = jnp.zeros((nbytes // 2,), jnp.bfloat16)
-  add = jax.jit(lambda v: v + 1)
-  jax.block_until_ready(add(x))
-  start = time.perf_counter()
-  for _ in range(iters):
-    y = add(x)
-  jax.block_until_ready(y)
-  return 2 * nbytes * iters / (time.perf_counter() - start)
 
 
 def decode_floor(cfg, n_params: int, batch: int, prompt_len: int, new: int, peak: float,

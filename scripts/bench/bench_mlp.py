@@ -31,7 +31,7 @@ from flax import nnx
 
 from pallas_kernels.mlp import gating
 from recurrentgemma_jax import model as model_lib
-from timing import time_fn  # pylint: disable=g-import-not-at-top  (scripts/bench/)
+from timing import copy_ceiling, time_fn  # pylint: disable=g-import-not-at-top  (scripts/bench/)
 
 
 def gating_step(fn):
@@ -54,11 +54,6 @@ def block_step(impl, width, expanded):
   return jax.jit(jax.grad(loss, (0, 1))), params
 
 
-def copy_ceiling_tbs(nbytes=1 << 30):
-  x = jnp.zeros((nbytes // 2,), jnp.bfloat16)
-  ms = time_fn(jax.jit(lambda x: x + 1), x, iters=10)
-  return 2 * nbytes / ms / 1e9
-
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -67,7 +62,7 @@ def main():
   parser.add_argument("--iters", type=int, default=20)
   args = parser.parse_args()
   dev = jax.devices()[0]
-  ceiling = copy_ceiling_tbs()
+  ceiling = copy_ceiling() / 1e12
   print(f"{dev.device_kind}, jax {jax.__version__}, {args.rows} rows, bfloat16, copy ceiling "
         f"{ceiling:.2f} TB/s")
   print("| D x M | what | XLA autodiff (ms) | Triton backward (ms) | bytes floor (ms) | floor reached "

@@ -100,12 +100,13 @@ def main():
   from recurrentgemma_jax import flops  # pylint: disable=g-import-not-at-top
   import bench_decode  # pylint: disable=g-import-not-at-top
   import profile_summary  # pylint: disable=g-import-not-at-top
+  import timing  # pylint: disable=g-import-not-at-top
 
   model = bench_decode.build_model(args.family, args.size, args.vocab_size, args.tiny)
   state = nnx.state(model)
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   peak = flops.device_peak_flops() or 0.0
-  ceiling = bench_decode.copy_ceiling(jax, 2**30 if not args.tiny else 2**24)
+  ceiling = timing.copy_ceiling(2**30 if not args.tiny else 2**24)
   floor = bench_decode.decode_floor(model.cfg, n_params, args.batch, args.position, args.steps,
                                     peak, ceiling, prefill=False)
   floor_ms = 1e3 * floor["floor_s"] / args.steps
