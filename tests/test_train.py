@@ -127,3 +127,36 @@ def test_fine_tuning_starts_from_an_imported_official_checkpoint(tmp_path):
   config.model.width = 64  # a run whose shapes differ from the checkpoint is refused up front
   with pytest.raises(Exception, match="init_from=.* has model.width=48 but this run has 64"):
     configlib.validate(config)
+
+
+@pytest.mark.parametrize("bound", [0.0, 30.0, 40.0, 50.0])
+def test_cross_entropy_matches_float64_with_and_without_a_logit_bound(bound):
+  """The bounded log-sum-exp (one pass, shifted by the soft cap) against float64 NumPy: the
+  loss sum and its gradient, on logits that reach the bound; 50 is above MAX_LOGIT_BOUND and
+  takes the usual max-shifted path, 0 is no bound."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from recurrentgemma_jax import train
+
+  rng = np.random.default_rng(int(bound))
+  cap = bound or 30.0
+  logits = cap * np.tanh(rng.normal(0, 3, (3, 7, 333)))  # many logits near +-cap
+  logits[0, 0, :] = -cap  # a row at the lower bound (the bounded path's smallest terms)
+  logits[0, 1, 5] = cap
+  targets = rng.integers(0, 333, (3, 7))
+  mask = (rng.random((3, 7)) > 0.2).astype(np.float32)
+
+  def loss(x):
+    return train.masked_cross_entropy(x, jnp.asarray(targets), jnp.asarray(mask), bound)[0]
+
+  value, grad = jax.value_and_grad(loss)(jnp.asarray(logits, jnp.float32))
+  m = logits.max(-1, keepdims=True)
+  lse = (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))[..., 0]
+  picked = np.take_along_axis(logits, targets[..., None], -1)[..., 0]
+  expected = ((lse - picked) * mask).sum()
+  softmax = np.exp(logits - lse[..., None])
+  expected_grad = (softmax - (np.arange(333) == targets[..., None])) * mask[..., None]
+  np.testing.assert_allclose(float(value), expected, rtol=2e-6)
+  np.testing.assert_allclose(np.asarray(grad), expected_grad, atol=2e-6)
