@@ -21,6 +21,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.conv1d import causal as conv_kernels
+from pallas_kernels.norm import rms as norm_kernels
 from pallas_kernels import dispatch
 from sharding import partitioning
 
@@ -59,16 +60,30 @@ class RMSNorm(nnx.Module):
   """``x / rms(x) * (1 + scale)``, computed in float32 whatever the activation dtype."""
 
   def __init__(self, width: int, *, param_dtype=jnp.float32, axis_name: str = "embed",
-               eps: float = 1e-6):
+               eps: float = 1e-6, impl: str = "xla"):
     self.eps = eps
+    self.axis_name = axis_name
+    # xla | pallas: ``with_skip``'s backward as pallas_kernels.norm's Triton kernel
+    # (interpreted on a CPU; a TPU takes XLA's).
+    self.impl = impl
     self.scale = zeros((width,), param_dtype, (axis_name,))
 
   def __call__(self, x: Float[Array, "*b d"]) -> Float[Array, "*b d"]:
-    acc = accumulation_dtype(x.dtype)
-    x32 = x.astype(acc)
-    var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-    normed = x32 * jax.lax.rsqrt(var + self.eps)
-    return (normed * (self.scale.value.astype(acc) + 1.0)).astype(x.dtype)
+    return norm_kernels.forward(x, self.scale.value, self.eps)
+
+  def with_skip(self, x: Float[Array, "*b d"]) -> tuple[Float[Array, "*b d"], Float[Array, "*b d"]]:
+    """``(x, self(x))`` for a pre-norm residual block, which keeps ``x`` for its skip
+    connection. With ``impl="pallas"`` the backward is one kernel pass that also adds the
+    skip's gradient (``pallas_kernels.norm``); the values are the same either way."""
+    platform = dispatch.target_platform()
+    if self.impl != "pallas" or platform == "tpu" or not norm_kernels.supported(x.shape[-1]):
+      return x, self(x)
+    # Per device under a mesh: rows over ``data``; the normalised axis is not split (``embed``).
+    rows = ("batch",) + (None,) * (x.ndim - 2) + (self.axis_name,)
+    norm = functools.partial(norm_kernels.rms_norm_with_skip, eps=self.eps,
+                             interpret=platform != "gpu")
+    return partitioning.shard_local(norm, (rows, (self.axis_name,)), (rows, rows))(
+        x, self.scale.value)
 
 
 class Dense(nnx.Module):

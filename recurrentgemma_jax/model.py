@@ -29,6 +29,7 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 GATE_IMPLS = ("auto", "xla", "pallas")
 MLP_IMPLS = ("auto", "xla", "pallas")
 CONV1D_IMPLS = ("auto", "xla", "pallas")
+NORM_IMPLS = ("auto", "xla", "pallas")
 FUSED_RG_LRU = ("auto", "true", "false")
 SCAN_LAYERS = ("auto", "true", "false")
 BLOCK_TYPES = ("recurrent", "attention", "global_attention", "gla")
@@ -109,6 +110,7 @@ class ModelConfig:
   gate_impl: str = "auto"               # auto | xla | pallas: the RG-LRU's block-diagonal gate matmuls
   mlp_impl: str = "auto"                # auto | xla | pallas: the MLP's GeLU gating (its backward)
   conv1d_impl: str = "auto"             # auto | xla | pallas: the recurrent block's Conv1D backward
+  norm_impl: str = "auto"               # auto | xla | pallas: the blocks' RMSNorm backward
   remat: str = "none"
   scan_layers: str = "auto"  # auto | true | false: layers as one lax.scan (auto: with remat)
 
@@ -195,6 +197,14 @@ class ModelConfig:
     3.6 ms faster, gradients in float32 instead of bfloat16; docs/performance.md), else XLA."""
     if self.conv1d_impl != "auto":
       return self.conv1d_impl
+    return "pallas" if dispatch.target_platform() == "gpu" else "xla"
+
+  @property
+  def resolved_norm_impl(self) -> str:
+    """``auto``: the Triton backward of ``pallas_kernels.norm`` on GPUs, which adds the skip's
+    gradient in the same pass (docs/performance.md, session 18), else XLA."""
+    if self.norm_impl != "auto":
+      return self.norm_impl
     return "pallas" if dispatch.target_platform() == "gpu" else "xla"
 
   @property
@@ -291,6 +301,8 @@ class ModelConfig:
                  "auto|pallas|xla_linear|xla_associative")
     if self.mlp_impl not in MLP_IMPLS:
       out.append(f"model.mlp_impl={self.mlp_impl!r} is not one of {'|'.join(MLP_IMPLS)}")
+    if self.norm_impl not in NORM_IMPLS:
+      out.append(f"model.norm_impl={self.norm_impl!r} is not one of {'|'.join(NORM_IMPLS)}")
     if self.conv1d_impl not in CONV1D_IMPLS:
       out.append(f"model.conv1d_impl={self.conv1d_impl!r} is not one of "
                  f"{'|'.join(CONV1D_IMPLS)}")
@@ -384,9 +396,10 @@ class ResidualBlock(nnx.Module):
   def __init__(self, block_type: str, cfg: ModelConfig, *, rngs: nnx.Rngs):
     kw = dict(param_dtype=DTYPES[cfg.param_dtype], dtype=DTYPES[cfg.dtype])
     self.block_type = block_type
-    self.temporal_pre_norm = layers.RMSNorm(cfg.width, param_dtype=kw["param_dtype"])
+    norm = dict(param_dtype=kw["param_dtype"], impl=cfg.resolved_norm_impl)
+    self.temporal_pre_norm = layers.RMSNorm(cfg.width, **norm)
     setattr(self, TEMPORAL_NAMES[block_type], make_temporal_block(block_type, cfg, rngs, **kw))
-    self.channel_pre_norm = layers.RMSNorm(cfg.width, param_dtype=kw["param_dtype"])
+    self.channel_pre_norm = layers.RMSNorm(cfg.width, **norm)
     self.mlp_block = MLPBlock(cfg.width, cfg.resolved_mlp_width, rngs=rngs,
                               impl=cfg.resolved_mlp_impl,
                               final_init_scale=2.0 / cfg.num_layers, **kw)
@@ -396,9 +409,10 @@ class ResidualBlock(nnx.Module):
     return getattr(self, TEMPORAL_NAMES[self.block_type])
 
   def __call__(self, x, segment_pos, cache=None):
-    y, cache = self.temporal(self.temporal_pre_norm(x), segment_pos, cache)
-    x = x + y.astype(x.dtype)
-    x = x + self.mlp_block(self.channel_pre_norm(x)).astype(x.dtype)
+    x, normed = self.temporal_pre_norm.with_skip(x)
+    y, cache = self.temporal(normed, segment_pos, cache)
+    x, normed = self.channel_pre_norm.with_skip(x + y.astype(x.dtype))
+    x = x + self.mlp_block(normed).astype(x.dtype)
     return x, cache
 
 

@@ -291,11 +291,12 @@ def test_shard_local_runs_each_device_on_its_shard():
 
 @pytest.mark.parametrize("kernels", ["scan+gates", "fused"])
 def test_pallas_kernels_under_a_mesh_give_single_device_losses(kernels):
-  """The Pallas scan, block-diagonal gates, fused RG-LRU, MLP gating and Conv1D run per device
-  (shard_local) and still give the single-device losses (data and model splits)."""
+  """The Pallas scan, block-diagonal gates, fused RG-LRU, MLP gating, Conv1D and RMSNorm run per
+  device (shard_local) and still give the single-device losses (data and model splits)."""
   overrides = {"model.scan_impl": "pallas", "model.num_gate_blocks": 2, "model.num_layers": 2,
                "model.fused_rg_lru": "true" if kernels == "fused" else "false", "model.gate_impl": "pallas",
-               "model.mlp_impl": "pallas", "model.conv1d_impl": "pallas"}
+               "model.mlp_impl": "pallas", "model.conv1d_impl": "pallas",
+               "model.norm_impl": "pallas"}
   reference = losses_on(small_config(**overrides), jax.devices()[:1], steps=2)[0]
   config = small_config(**{"mesh.data": 4, "mesh.model": 2, **overrides})
   losses = losses_on(config, jax.devices(), steps=2)[0]

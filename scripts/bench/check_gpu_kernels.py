@@ -26,6 +26,7 @@ import pallas_kernels  # noqa: E402
 from pallas_kernels.conv1d import causal  # noqa: E402
 from pallas_kernels.gates import block_diagonal  # noqa: E402
 from pallas_kernels.mlp import gating  # noqa: E402
+from pallas_kernels.norm import rms  # noqa: E402
 
 # Relative error allowed for each compute dtype: bfloat16 inputs are rounded before both the
 # kernel and the reference see them, so what is left is the kernel's own rounding.
@@ -69,6 +70,10 @@ def cases(tiny: bool):
   conv = lambda x, w, b, doc: causal.causal_conv1d(x, w, b, doc, interpret=interpret)
   yield ("conv1d", conv, causal.reference,
          [("x", (cb, ct, cd)), ("param", (4, cd)), ("param", (cd,)), ("documents", (cb, ct))])
+  n, d = (70, 48) if tiny else (32768, 1536)                  # Griffin 400M's residual stream
+  norm = lambda x, scale: rms.rms_norm_with_skip(x, scale, eps=1e-6, interpret=interpret)
+  yield ("rms_norm", norm, lambda x, scale: (x, rms.forward(x, scale, 1e-6)),
+         [("x", (n, d)), ("param", (d,))])
 
 
 def make_inputs(specs, dtype, key):
