@@ -131,9 +131,11 @@ class BlockDiagonalLinear(nnx.Module):
       from pallas_kernels import gates  # pylint: disable=g-import-not-at-top
       if gates.supported(*w.shape[1:]):
         # Per device under a mesh: a device's channels are whole blocks (``blocks``).
+        # The bias is added inside the kernel, before its one rounding.
         rows = ("batch",) + (None,) * (x.ndim - 2) + ("blocks",)
         matmul = functools.partial(gates.block_diagonal_matmul, interpret=platform != "gpu")
-        return partitioning.shard_local(matmul, (rows, ("blocks", None, None)), rows)(x, w) + bias
+        return partitioning.shard_local(
+            matmul, (rows, ("blocks", None, None), ("blocks", None)), rows)(x, w, self.b.value)
     xb = x.reshape(*x.shape[:-1], self.num_blocks, -1)
     y = jnp.einsum("...hi,hij->...hj", xb, w)
     return y.reshape(*x.shape[:-1], -1) + bias

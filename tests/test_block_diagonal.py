@@ -21,30 +21,34 @@ def reference(x, w):  # float64 NumPy
   return np.einsum("...hi,hij->...hj", xb, w).reshape(*x.shape[:-1], h * j)
 
 
-@pytest.mark.parametrize("shape,blocks,dtype,tol", [
-    ((300, 3 * 16), (3, 16, 32), jnp.float32, 1e-5),   # N not a multiple of any tile
-    ((1, 2 * 32), (2, 32, 16), jnp.float32, 1e-5),     # one row
-    ((2, 37, 4 * 16), (4, 16, 16), jnp.bfloat16, 2e-2),
+@pytest.mark.parametrize("shape,blocks,dtype,tol,bias", [
+    ((300, 3 * 16), (3, 16, 32), jnp.float32, 1e-5, True),   # N not a multiple of any tile
+    ((1, 2 * 32), (2, 32, 16), jnp.float32, 1e-5, False),    # one row
+    ((2, 37, 4 * 16), (4, 16, 16), jnp.bfloat16, 2e-2, True),
+    ((2, 37, 4 * 16), (4, 16, 16), jnp.bfloat16, 2e-2, False),
 ])
-def test_block_diagonal_matmul_matches_float64(shape, blocks, dtype, tol):
-  kx, kw, kd = jax.random.split(jax.random.PRNGKey(sum(shape)), 3)
+def test_block_diagonal_matmul_matches_float64(shape, blocks, dtype, tol, bias):
+  kx, kw, kd, kb = jax.random.split(jax.random.PRNGKey(sum(shape)), 4)
   x = jax.random.normal(kx, shape).astype(dtype)
   w = jax.random.normal(kw, blocks, jnp.float32)
-  y = block_diagonal.block_diagonal_matmul(x, w, interpret=True)
+  h, i, j = blocks
+  b = 3.0 * jax.random.normal(kb, (h, j), jnp.float32) if bias else None
+  y = block_diagonal.block_diagonal_matmul(x, w, b, interpret=True)
   assert y.dtype == dtype and y.shape == (*shape[:-1], blocks[0] * blocks[2])
-  want = reference(x, np.asarray(w.astype(dtype)))
+  want = reference(x, np.asarray(w.astype(dtype))) + (np.asarray(b).reshape(-1) if bias else 0)
   np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=tol, atol=tol * np.abs(want).max())
 
   dy = jax.random.normal(kd, y.shape).astype(dtype)
-  dx, dw = jax.grad(lambda x, w: jnp.sum(
-      block_diagonal.block_diagonal_matmul(x, w, interpret=True).astype(jnp.float32)
-      * dy.astype(jnp.float32)), (0, 1))(x, w)
-  h, i, j = blocks
+  grads = jax.grad(lambda x, w, b: jnp.sum(
+      block_diagonal.block_diagonal_matmul(x, w, b, interpret=True).astype(jnp.float32)
+      * dy.astype(jnp.float32)), (0, 1, 2) if bias else (0, 1))(x, w, b)
   x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
   w64 = np.asarray(w.astype(dtype), np.float64)
   want_dx = np.einsum("...hj,hij->...hi", dy64.reshape(*shape[:-1], h, j), w64).reshape(shape)
   want_dw = np.einsum("nhi,nhj->hij", x64.reshape(-1, h, i), dy64.reshape(-1, h, j))
-  for got, want in ((dx, want_dx), (dw, want_dw)):
+  wants = [want_dx, want_dw] + ([dy64.reshape(-1, h, j).sum(0)] if bias else [])
+  assert len(grads) == len(wants)
+  for got, want in zip(grads, wants):
     err = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
     assert err < tol, err
 
@@ -53,6 +57,9 @@ def test_block_diagonal_rejects_blocks_the_kernel_cannot_take():
   assert not block_diagonal.supported(160, 160) and block_diagonal.supported(128, 128)
   with pytest.raises(ValueError, match="powers of two"):
     block_diagonal.block_diagonal_matmul(jnp.zeros((4, 2 * 24)), jnp.zeros((2, 24, 24)))
+  with pytest.raises(ValueError, match=r"the bias is \(32,\), not \[H, J\]"):
+    block_diagonal.block_diagonal_matmul(jnp.zeros((4, 32)), jnp.zeros((2, 16, 16)),
+                                         jnp.zeros((32,)))
 
 
 def test_griffin_with_the_gate_kernel_equals_the_xla_gates():
@@ -91,11 +98,12 @@ def test_gpu_kernel_check_script_passes_every_kernel_and_flags_a_wrong_one(monke
   with pytest.raises(SystemExit) as exit_:
     check.main()
   rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
-  assert exit_.value.code == 0 and len(rows) == 14, rows
+  assert exit_.value.code == 0 and len(rows) == 16, rows
   assert all("| ok |" in row for row in rows), rows
 
-  wrong = lambda x, w: block_diagonal.block_diagonal_matmul(x, w, interpret=True) * 1.01
+  wrong = lambda x, w, b: block_diagonal.block_diagonal_matmul(x, w, b, interpret=True) * 1.01
   ok, detail = check.check("block_diagonal", wrong, check._block_diagonal_reference,
-                           [("x", (64, 4 * 16)), ("param", (4, 16, 16))], "float32",
+                           [("x", (64, 4 * 16)), ("param", (4, 16, 16)), ("param", (4, 16))],
+                           "float32",
                            jax.random.PRNGKey(0))
   assert not ok and float(detail.split()[0]) > 5e-3, detail

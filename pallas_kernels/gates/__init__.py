@@ -1,7 +1,7 @@
 """The RG-LRU's block-diagonal gate matmuls as Triton kernels (GPU; interpreted on a CPU).
 
-Public calls: ``block_diagonal_matmul(x, w, *, interpret=False)`` and ``supported(in_block,
-out_block)``. TPUs take XLA's batched matmul (``model.gate_impl``).
+Public calls: ``block_diagonal_matmul(x, w, b=None, *, interpret=False)`` and
+``supported(in_block, out_block)``. TPUs take XLA's batched matmul (``model.gate_impl``).
 """
 
 from pallas_kernels.gates.block_diagonal import block_diagonal_matmul, supported

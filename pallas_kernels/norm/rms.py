@@ -12,9 +12,9 @@ XLA's autodiff of the jnp form spends two or three fusions on this: a row reduct
 ``dn`` and ``x``, then a pass reading ``dn``, ``x`` and ``ds`` that writes ``dx`` and reduces
 the scale's gradient (on an H100 at Griffin-400M's shape, N = 32768, D = 1536: 0.28-0.34 ms a
 norm, against 0.14 ms for the four ``[N, D]`` arrays at the copy ceiling; docs/performance.md).
-Here one Triton program per 32 rows reads each row's ``x`` and ``dn`` twice (once for the two
-row sums, once for the outputs; the second read hits the L2 cache), ``ds`` once, writes ``dx``
-and a float32 partial of ``dscale`` per program, summed outside (``N / 32`` partials).
+Here one Triton program per 16 rows takes them one at a time, each held in registers: it reads
+``x``, ``dn`` and ``ds`` once, writes ``dx``, and writes a float32 partial of ``dscale`` per
+program, summed outside (``N / 16`` partials, 1/8 of one ``[N, D]`` bfloat16 array).
 
 The forward is jnp (XLA fuses the statistics with the residual add before it). Returning the
 skip from the same call is what lets the backward add its gradient in the same pass.
@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-_ROWS = 32                                   # rows per program
-_COLS = (256, 128, 64, 32, 16)               # columns per load: the largest that divides D
+_ROWS = 16                                   # rows per program, one at a time
+_COLS = (1024, 512, 256, 128, 64, 32, 16)    # columns per load: the largest that divides D
 
 
 def supported(d: int) -> bool:
@@ -62,32 +62,35 @@ def backward_reference(x, scale, ds, dn, eps: float):
 
 
 def _bwd_kernel(x_ref, w_ref, ds_ref, dn_ref, dx_ref, part_ref, *, n, d, cols, eps):
-  # Whole arrays in: a program loops over its rows' column chunks (D need not be a power of 2).
+  # Whole arrays in. A program takes _ROWS rows one at a time; a row is held in registers as
+  # D / cols chunks (D need not be a power of 2), so x and dn are read once.
   f32 = jnp.float32
   i = pl.program_id(0)
-  r0 = i * _ROWS
-  valid = (r0 + jnp.arange(_ROWS) < n)[:, None]
-  rows = pl.ds(r0, _ROWS)
+  chunks = [pl.ds(c * cols, cols) for c in range(d // cols)]
+  weights = [plgpu.load(w_ref.at[c]).astype(f32) + 1.0 for c in chunks]
 
-  def load(ref, c):
-    return plgpu.load(ref.at[rows, pl.ds(c * cols, cols)], mask=valid, other=0.0).astype(f32)
+  def row_step(j, partial):
+    row = i * _ROWS + j
+    ok = row < n
+    row = jnp.minimum(row, n - 1)  # a row past the end reads the last one and writes nothing
+    xs = [plgpu.load(x_ref.at[row, c]).astype(f32) for c in chunks]
+    gs = [plgpu.load(dn_ref.at[row, c]).astype(f32) for c in chunks]
+    sum_sq = sum(jnp.sum(x * x) for x in xs)
+    sum_gx = sum(jnp.sum(g * w * x) for g, w, x in zip(gs, weights, xs))
+    r = jax.lax.rsqrt(sum_sq / d + eps)
+    k = sum_gx / d * r * r * r
+    keep = jnp.where(ok, r, 0.0)
+    out = []
+    for c, x, g, w, p in zip(chunks, xs, gs, weights, partial):
+      dx = plgpu.load(ds_ref.at[row, c]).astype(f32) + r * g * w - x * k
+      plgpu.store(dx_ref.at[row, c], dx.astype(dx_ref.dtype), mask=jnp.full((cols,), ok))
+      out.append(p + g * x * keep)
+    return tuple(out)
 
-  def weight(c):
-    return plgpu.load(w_ref.at[pl.ds(c * cols, cols)]).astype(f32)[None, :] + 1.0
-
-  sum_sq = jnp.zeros((_ROWS,), f32)
-  sum_gx = jnp.zeros((_ROWS,), f32)
-  for c in range(d // cols):
-    x = load(x_ref, c)
-    sum_sq += jnp.sum(x * x, axis=1)
-    sum_gx += jnp.sum(load(dn_ref, c) * weight(c) * x, axis=1)
-  r = jax.lax.rsqrt(sum_sq / d + eps)[:, None]
-  k = (sum_gx / d)[:, None] * r * r * r
-  for c in range(d // cols):
-    x, dn = load(x_ref, c), load(dn_ref, c)
-    dx = load(ds_ref, c) + r * (dn * weight(c)) - x * k
-    plgpu.store(dx_ref.at[rows, pl.ds(c * cols, cols)], dx.astype(dx_ref.dtype), mask=valid)
-    plgpu.store(part_ref.at[i, pl.ds(c * cols, cols)], jnp.sum(dn * x * r, axis=0))
+  zeros = tuple(jnp.zeros((cols,), f32) for _ in chunks)
+  partial = jax.lax.fori_loop(0, _ROWS, row_step, zeros)
+  for c, p in zip(chunks, partial):
+    plgpu.store(part_ref.at[i, c], p)
 
 
 def _backward_kernel(x, scale, ds, dn, eps, interpret):
@@ -99,7 +102,8 @@ def _backward_kernel(x, scale, ds, dn, eps, interpret):
       out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype),
                  jax.ShapeDtypeStruct((blocks, d), jnp.float32)),
       grid=(blocks,),
-      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4),
+      # 8 elements a thread: 16-byte loads of bfloat16
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=max(1, cols // 256)),
       interpret=interpret,
   )(x, scale, ds, dn)
   return dx, partials.sum(axis=0).astype(scale.dtype)

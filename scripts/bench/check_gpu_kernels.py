@@ -36,9 +36,9 @@ TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
 TOLERANCE_OVERRIDES = {("block_diagonal", "float32"): 1e-3}
 
 
-def _block_diagonal_reference(x, w):
+def _block_diagonal_reference(x, w, b):
   h, i, j = w.shape
-  y = jnp.einsum("nhi,hij->nhj", x.reshape(-1, h, i), w.astype(x.dtype))
+  y = jnp.einsum("nhi,hij->nhj", x.reshape(-1, h, i), w.astype(x.dtype)) + b.astype(x.dtype)
   return y.reshape(x.shape[0], h * j)
 
 
@@ -59,9 +59,9 @@ def cases(tiny: bool):
            [("x", q), ("x", q), ("x", q), ("log_gate", q)])
   n, h, i, j = bd
   interpret = jax.default_backend() == "cpu"  # a Triton kernel: interpreted on a CPU
-  bdm = lambda x, w: block_diagonal.block_diagonal_matmul(x, w, interpret=interpret)
+  bdm = lambda x, w, b: block_diagonal.block_diagonal_matmul(x, w, b, interpret=interpret)
   yield ("block_diagonal", bdm, _block_diagonal_reference,
-         [("x", (n, h * i)), ("param", (h, i, j))])
+         [("x", (n, h * i)), ("param", (h, i, j)), ("param", (h, j))])
   n, m = (70, 48) if tiny else (32768, 4608)                  # MQA 400M's MLP, 16 x 2048 rows
   mlp = lambda up, bias: gating.gated_gelu(up, bias, interpret=interpret)
   yield ("mlp_gating", mlp, gating.forward,
