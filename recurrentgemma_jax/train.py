@@ -103,6 +103,12 @@ def masked_cross_entropy(logits, targets, mask, logit_bound: float = 0.0):
   return jnp.sum(losses * mask), jnp.sum(mask)
 
 
+def logit_bound(model) -> float:
+  """The bound on ``|logits|`` that ``model`` guarantees (a ``Model``'s tanh soft cap), or 0
+  when none is known (any other module that returns logits)."""
+  return float(getattr(getattr(model, "cfg", None), "logits_soft_cap", 0.0) or 0.0)
+
+
 def make_train_step(graphdef, tx, schedule, accum_steps: int):
   """``(state, batch) -> (state, metrics)`` for the model ``graphdef``; see
   ``train_step_from_loss``."""
@@ -111,7 +117,7 @@ def make_train_step(graphdef, tx, schedule, accum_steps: int):
     model = nnx.merge(graphdef, params)
     logits = model(micro["inputs"], micro["segment_pos"])
     return masked_cross_entropy(logits, micro["targets"], micro["loss_mask"],
-                                model.cfg.logits_soft_cap)
+                                logit_bound(model))
 
   return train_step_from_loss(loss_sum, tx, schedule, accum_steps)
 
@@ -159,7 +165,7 @@ def make_eval_step(graphdef):
     model = nnx.merge(graphdef, params)
     logits = model(batch["inputs"], batch["segment_pos"])
     total, count = masked_cross_entropy(logits, batch["targets"], batch["loss_mask"],
-                                        model.cfg.logits_soft_cap)
+                                        logit_bound(model))
     hits = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
     return jnp.stack([total, count, jnp.sum(hits * batch["loss_mask"])])
   return step

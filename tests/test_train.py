@@ -160,3 +160,17 @@ def test_cross_entropy_matches_float64_with_and_without_a_logit_bound(bound):
   expected_grad = (softmax - (np.arange(333) == targets[..., None])) * mask[..., None]
   np.testing.assert_allclose(float(value), expected, rtol=2e-6)
   np.testing.assert_allclose(np.asarray(grad), expected_grad, atol=2e-6)
+
+
+def test_the_logit_bound_is_the_models_soft_cap_and_zero_for_other_modules():
+  from flax import nnx
+
+  from recurrentgemma_jax import model as model_lib
+  from recurrentgemma_jax import train
+
+  cfg = model_lib.ModelConfig(family="mqa", vocab_size=11, width=16, num_layers=1, num_heads=2,
+                              mlp_expanded_width=32, logits_soft_cap=25.0)
+  assert train.logit_bound(model_lib.Model(cfg, rngs=nnx.Rngs(0))) == 25.0
+  uncapped = model_lib.ModelConfig(**{**cfg.__dict__, "logits_soft_cap": 0.0})
+  assert train.logit_bound(model_lib.Model(uncapped, rngs=nnx.Rngs(0))) == 0.0
+  assert train.logit_bound(nnx.Linear(2, 3, rngs=nnx.Rngs(0))) == 0.0
