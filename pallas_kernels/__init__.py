@@ -5,6 +5,8 @@
 - ``gates``: the RG-LRU's block-diagonal gate matmuls (Triton GPU).
 - ``mlp``: the gated MLP's GeLU gating with a one-pass backward (Triton GPU).
 - ``conv1d``: the recurrent block's causal Conv1D with a one-pass backward (Triton GPU).
+- ``norm``: a pre-norm block's RMSNorm with a one-pass backward that adds the skip's gradient
+  (Triton GPU).
 - ``attention``: splash attention on TPU.
 - ``dispatch``: which kernel runs on which platform (the platform compiled for, not the host).
 """
