@@ -26,10 +26,8 @@ from sharding import partitioning
 
 FAMILIES = ("griffin", "hawk", "mqa", "gla")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
-GATE_IMPLS = ("auto", "xla", "pallas")
-MLP_IMPLS = ("auto", "xla", "pallas")
-CONV1D_IMPLS = ("auto", "xla", "pallas")
-NORM_IMPLS = ("auto", "xla", "pallas")
+# gate_impl, mlp_impl, conv1d_impl, norm_impl: a Pallas kernel or XLA (auto: _kernel_on_gpus)
+KERNEL_IMPLS = ("auto", "xla", "pallas")
 FUSED_RG_LRU = ("auto", "true", "false")
 SCAN_LAYERS = ("auto", "true", "false")
 BLOCK_TYPES = ("recurrent", "attention", "global_attention", "gla")
@@ -68,6 +66,14 @@ def splash_attention_problem(dtype: str) -> str | None:
   ``pallas_kernels.attention.problem``."""
   from pallas_kernels import attention as attention_kernels  # pylint: disable=g-import-not-at-top
   return attention_kernels.problem(dtype, dispatch.target_platform())
+
+
+def _kernel_on_gpus(choice: str) -> str:
+  """An ``auto | xla | pallas`` choice resolved: ``auto`` is the Pallas kernel when compiling
+  for GPUs, XLA elsewhere."""
+  if choice != "auto":
+    return choice
+  return "pallas" if dispatch.target_platform() == "gpu" else "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,35 +183,27 @@ class ModelConfig:
     """``auto``: the Triton gate kernels on GPUs (1.6% faster Griffin-400M training steps on an
     H100 than XLA's batched matmul, docs/performance.md), else XLA. Gate blocks that are not a
     power of two >= 16 take the XLA path either way."""
-    if self.gate_impl != "auto":
-      return self.gate_impl
-    return "pallas" if dispatch.target_platform() == "gpu" else "xla"
+    return _kernel_on_gpus(self.gate_impl)
 
   @property
   def resolved_mlp_impl(self) -> str:
     """``auto``: the Triton backward of ``pallas_kernels.mlp`` on GPUs (MQA-400M training
     steps 2.5% faster on an H100 than XLA's autodiff of the gating, docs/performance.md), else
     XLA."""
-    if self.mlp_impl != "auto":
-      return self.mlp_impl
-    return "pallas" if dispatch.target_platform() == "gpu" else "xla"
+    return _kernel_on_gpus(self.mlp_impl)
 
   @property
   def resolved_conv1d_impl(self) -> str:
     """``auto``: the Triton backward of ``pallas_kernels.conv1d`` on GPUs (on an H100: 82-84%
     of its bytes floor against XLA's 69-70%, Griffin-400M steps 0.3-1.3 ms and 1.3B steps
     3.6 ms faster, gradients in float32 instead of bfloat16; docs/performance.md), else XLA."""
-    if self.conv1d_impl != "auto":
-      return self.conv1d_impl
-    return "pallas" if dispatch.target_platform() == "gpu" else "xla"
+    return _kernel_on_gpus(self.conv1d_impl)
 
   @property
   def resolved_norm_impl(self) -> str:
     """``auto``: the Triton backward of ``pallas_kernels.norm`` on GPUs, which adds the skip's
     gradient in the same pass (docs/performance.md, session 18), else XLA."""
-    if self.norm_impl != "auto":
-      return self.norm_impl
-    return "pallas" if dispatch.target_platform() == "gpu" else "xla"
+    return _kernel_on_gpus(self.norm_impl)
 
   @property
   def layers_scanned(self) -> bool:
@@ -294,20 +292,14 @@ class ModelConfig:
     if not isinstance(self.fused_rg_lru, bool) and self.fused_rg_lru not in FUSED_RG_LRU:
       out.append(f"model.fused_rg_lru={self.fused_rg_lru!r} is not one of "
                  f"{'|'.join(FUSED_RG_LRU)}")
-    if self.gate_impl not in GATE_IMPLS:
-      out.append(f"model.gate_impl={self.gate_impl!r} is not one of {'|'.join(GATE_IMPLS)}")
-    if self.scan_impl not in ("auto", "pallas", "xla_linear", "xla_associative"):
-      out.append(f"model.scan_impl={self.scan_impl!r} is not one of "
-                 "auto|pallas|xla_linear|xla_associative")
-    if self.mlp_impl not in MLP_IMPLS:
-      out.append(f"model.mlp_impl={self.mlp_impl!r} is not one of {'|'.join(MLP_IMPLS)}")
-    if self.norm_impl not in NORM_IMPLS:
-      out.append(f"model.norm_impl={self.norm_impl!r} is not one of {'|'.join(NORM_IMPLS)}")
-    if self.conv1d_impl not in CONV1D_IMPLS:
-      out.append(f"model.conv1d_impl={self.conv1d_impl!r} is not one of "
-                 f"{'|'.join(CONV1D_IMPLS)}")
-    if self.remat not in REMAT_POLICIES:
-      out.append(f"model.remat={self.remat!r} is not one of {'|'.join(REMAT_POLICIES)}")
+    choices = (("gate_impl", KERNEL_IMPLS),
+               ("scan_impl", ("auto", "pallas", "xla_linear", "xla_associative")),
+               ("mlp_impl", KERNEL_IMPLS), ("norm_impl", KERNEL_IMPLS),
+               ("conv1d_impl", KERNEL_IMPLS), ("remat", REMAT_POLICIES))
+    for name, allowed in choices:
+      value = getattr(self, name)
+      if value not in allowed:
+        out.append(f"model.{name}={value!r} is not one of {'|'.join(allowed)}")
     if not isinstance(self.scan_layers, bool) and self.scan_layers not in SCAN_LAYERS:
       out.append(f"model.scan_layers={self.scan_layers!r} is not one of "
                  f"{'|'.join(SCAN_LAYERS)}")

@@ -131,6 +131,14 @@ def loss_grads_and_kernels(cfg, tokens, segment_pos):
   return (*jax.value_and_grad(loss)(params), kernels)
 
 
+def xla_and_kernel_runs(cfg, field, tokens, segment_pos):
+  """``loss_grads_and_kernels`` of ``cfg`` with ``field`` (a ``model.*_impl``) set to ``xla``,
+  then to ``pallas``: for comparing a kernel path with the XLA path it replaces."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  return tuple(loss_grads_and_kernels(dataclasses.replace(cfg, **{field: impl}), tokens,
+                                      segment_pos) for impl in ("xla", "pallas"))
+
+
 def assert_grads_close(got, want, rtol=1e-4, atol=1e-6):
   """Every leaf of the gradient tree ``got`` close to the same leaf of ``want``."""
   import jax  # pylint: disable=g-import-not-at-top

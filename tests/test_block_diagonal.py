@@ -69,14 +69,10 @@ def test_griffin_with_the_gate_kernel_equals_the_xla_gates():
   tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 11), 0, 41)
   pos = jnp.stack([jnp.arange(11), jnp.concatenate([jnp.arange(4), jnp.arange(7)])])
 
-  def loss_and_grads(gate_impl):
-    loss, grads, kernels = helpers.loss_grads_and_kernels(
-        dataclasses.replace(cfg, gate_impl=gate_impl), tokens, pos)
-    # The kernel runs (2 gates x 2 recurrent blocks) only where asked for.
-    assert (kernels > 0) == (gate_impl == "pallas"), kernels
-    return loss, grads
-
-  (l_xla, g_xla), (l_kernel, g_kernel) = loss_and_grads("xla"), loss_and_grads("pallas")
+  (l_xla, g_xla, k_xla), (l_kernel, g_kernel, k_kernel) = helpers.xla_and_kernel_runs(
+      cfg, "gate_impl", tokens, pos)
+  # The kernel runs (2 gates x 2 recurrent blocks) only where asked for.
+  assert k_xla == 0 and k_kernel > 0, (k_xla, k_kernel)
   np.testing.assert_allclose(l_kernel, l_xla, rtol=1e-5)
   helpers.assert_grads_close(g_kernel, g_xla)
   assert cfg.resolved_gate_impl == "xla"  # auto: the kernels only on GPUs

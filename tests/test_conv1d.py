@@ -88,16 +88,11 @@ def test_griffin_with_the_conv1d_kernel_equals_xla_autodiff():
   tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 13), 0, 41)
   pos = jnp.stack([jnp.arange(13) + 7, jnp.concatenate([jnp.arange(5), jnp.arange(8)])])
 
-  def loss_and_grads(conv1d_impl):
-    loss, grads, kernels = helpers.loss_grads_and_kernels(
-        dataclasses.replace(cfg, conv1d_impl=conv1d_impl, fused_rg_lru="false",
-                            gate_impl="xla", mlp_impl="xla", scan_impl="xla_linear"),
-        tokens, pos)
-    # One kernel per recurrent layer (2 of 3), in the backward, only where asked for.
-    assert kernels == (2 if conv1d_impl == "pallas" else 0), kernels
-    return loss, grads
-
-  (l_xla, g_xla), (l_kernel, g_kernel) = loss_and_grads("xla"), loss_and_grads("pallas")
+  (l_xla, g_xla, k_xla), (l_kernel, g_kernel, k_kernel) = helpers.xla_and_kernel_runs(
+      dataclasses.replace(cfg, fused_rg_lru="false", gate_impl="xla", mlp_impl="xla",
+                          scan_impl="xla_linear"), "conv1d_impl", tokens, pos)
+  # One kernel per recurrent layer (2 of 3), in the backward, only where asked for.
+  assert (k_xla, k_kernel) == (0, 2)
   assert l_kernel == l_xla  # the same jnp forward
   helpers.assert_grads_close(g_kernel, g_xla)
   assert cfg.resolved_conv1d_impl == "xla"  # auto: the kernel only on GPUs

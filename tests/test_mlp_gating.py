@@ -65,14 +65,10 @@ def test_mqa_with_the_mlp_kernel_equals_xla_autodiff():
   tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 11), 0, 41)
   pos = jnp.stack([jnp.arange(11), jnp.concatenate([jnp.arange(4), jnp.arange(7)])])
 
-  def loss_and_grads(mlp_impl):
-    loss, grads, kernels = helpers.loss_grads_and_kernels(
-        dataclasses.replace(cfg, mlp_impl=mlp_impl), tokens, pos)
-    # The kernel runs (one per layer, in the backward) only where asked for.
-    assert kernels == (2 if mlp_impl == "pallas" else 0), kernels
-    return loss, grads
-
-  (l_xla, g_xla), (l_kernel, g_kernel) = loss_and_grads("xla"), loss_and_grads("pallas")
+  (l_xla, g_xla, k_xla), (l_kernel, g_kernel, k_kernel) = helpers.xla_and_kernel_runs(
+      cfg, "mlp_impl", tokens, pos)
+  # The kernel runs (one per layer, in the backward) only where asked for.
+  assert (k_xla, k_kernel) == (0, 2)
   np.testing.assert_allclose(l_kernel, l_xla, rtol=1e-6)
   helpers.assert_grads_close(g_kernel, g_xla)
   assert cfg.resolved_mlp_impl == "xla"  # auto: the kernel only on GPUs

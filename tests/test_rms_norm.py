@@ -86,14 +86,10 @@ def test_a_model_with_the_norm_kernel_equals_xla_autodiff(family):
   tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 11), 0, 41)
   pos = jnp.stack([jnp.arange(11), jnp.concatenate([jnp.arange(4), jnp.arange(7)])])
 
-  def loss_and_grads(norm_impl):
-    loss, grads, kernels = helpers.loss_grads_and_kernels(
-        dataclasses.replace(cfg, norm_impl=norm_impl), tokens, pos)
-    # Two norms a layer, each one kernel in the backward, only where asked for.
-    assert kernels == (2 * cfg.num_layers if norm_impl == "pallas" else 0), kernels
-    return loss, grads
-
-  (l_xla, g_xla), (l_kernel, g_kernel) = loss_and_grads("xla"), loss_and_grads("pallas")
+  (l_xla, g_xla, k_xla), (l_kernel, g_kernel, k_kernel) = helpers.xla_and_kernel_runs(
+      cfg, "norm_impl", tokens, pos)
+  # Two norms a layer, each one kernel in the backward, only where asked for.
+  assert (k_xla, k_kernel) == (0, 2 * cfg.num_layers)
   np.testing.assert_allclose(l_kernel, l_xla, rtol=1e-6)
   helpers.assert_grads_close(g_kernel, g_xla)
   assert cfg.resolved_norm_impl == "xla"  # auto: the kernel only on GPUs

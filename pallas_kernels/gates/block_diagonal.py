@@ -49,35 +49,29 @@ def supported(in_block: int, out_block: int) -> bool:
   return ok(in_block) and ok(out_block)
 
 
-def _matmul_kernel(x_ref, w_ref, *refs):
+def _matmul_kernel(x_ref, w_ref, b_ref, y_ref):
   y = jnp.dot(x_ref[...], w_ref[0], preferred_element_type=jnp.float32)
-  if len(refs) == 2:  # with a bias
-    b_ref, y_ref = refs
-    y += b_ref[0, :].astype(jnp.float32)[None, :]
-  else:
-    (y_ref,) = refs
-  y_ref[...] = y.astype(y_ref.dtype)
+  y_ref[...] = (y + b_ref[0, :].astype(jnp.float32)[None, :]).astype(y_ref.dtype)
 
 
 def _blocks(x, w, b, interpret):
-  """``y`` of the docstring for ``x: [N, H*I]`` with ``N`` a multiple of ``_ROWS``."""
+  """``y`` of the docstring for ``x: [N, H*I]`` with ``N`` a multiple of ``_ROWS`` (``b``: None
+  for no bias)."""
   n = x.shape[0]
   h, i, j = w.shape
-  in_specs = [pl.BlockSpec((_ROWS, i), lambda r, k: (r, k)),
-              pl.BlockSpec((1, i, j), lambda r, k: (k, 0, 0))]
-  args = [x, w.astype(x.dtype)]
-  if b is not None:
-    in_specs.append(pl.BlockSpec((1, j), lambda r, k: (k, 0)))
-    args.append(b)
+  if b is None:
+    b = jnp.zeros((h, j), jnp.float32)
   return pl.pallas_call(
       _matmul_kernel,
       out_shape=jax.ShapeDtypeStruct((n, h * j), x.dtype),
       grid=(n // _ROWS, h),
-      in_specs=in_specs,
+      in_specs=[pl.BlockSpec((_ROWS, i), lambda r, k: (r, k)),
+                pl.BlockSpec((1, i, j), lambda r, k: (k, 0, 0)),
+                pl.BlockSpec((1, j), lambda r, k: (k, 0))],
       out_specs=pl.BlockSpec((_ROWS, j), lambda r, k: (r, k)),
       compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4),
       interpret=interpret,
-  )(*args)
+  )(x, w.astype(x.dtype), b)
 
 
 def _dw_kernel(x_ref, dy_ref, dw_ref, *, rows_per_step):
@@ -130,7 +124,7 @@ def _matmul_bwd(interpret, residuals, dy):
   dw = _weight_grad(_pad_rows(x, _DW_SPAN), _pad_rows(dy.astype(x.dtype), _DW_SPAN), h,
                     interpret)
   db = None if b is None else jnp.sum(dy.astype(jnp.float32), axis=0).reshape(b.shape)
-  return dx.astype(x.dtype), dw.astype(w.dtype), None if b is None else db.astype(b.dtype)
+  return dx.astype(x.dtype), dw.astype(w.dtype), None if db is None else db.astype(b.dtype)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
