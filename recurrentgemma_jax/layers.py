@@ -108,15 +108,15 @@ class BlockDiagonalLinear(nnx.Module):
   """A linear map made of ``num_blocks`` independent ``[D/n, F/n]`` blocks.
 
   The Griffin paper uses it for the RG-LRU gates so that they shard over channels with no
-  communication: block ``h`` reads and writes only channels ``h*D/n .. (h+1)*D/n``.
+  communication: block ``h`` reads and writes only channels ``h*D/n .. (h+1)*D/n``. This is
+  XLA's form; ``recurrent.RGLRU`` takes both of its gates through one Pallas kernel instead
+  where ``gate_impl`` asks for it.
   """
 
   def __init__(self, width_in: int, width_out: int, num_blocks: int, *, rngs: nnx.Rngs,
-               param_dtype=jnp.float32, dtype=jnp.float32, impl: str = "xla"):
+               param_dtype=jnp.float32, dtype=jnp.float32):
     self.num_blocks = num_blocks
     self.dtype = dtype
-    # xla | pallas (pallas_kernels.gates: Triton, interpreted on a CPU; a TPU takes XLA's).
-    self.impl = impl
     self.w = param(rngs, fan_in_normal(1.0),
                    (num_blocks, width_in // num_blocks, width_out // num_blocks), param_dtype,
                    ("blocks", None, None))
@@ -126,16 +126,6 @@ class BlockDiagonalLinear(nnx.Module):
     x = x.astype(self.dtype)
     w = self.w.value.astype(self.dtype)
     bias = self.b.value.astype(self.dtype).reshape(-1)
-    platform = dispatch.target_platform()
-    if self.impl == "pallas" and platform != "tpu":
-      from pallas_kernels import gates  # pylint: disable=g-import-not-at-top
-      if gates.supported(*w.shape[1:]):
-        # Per device under a mesh: a device's channels are whole blocks (``blocks``).
-        # The bias is added inside the kernel, before its one rounding.
-        rows = ("batch",) + (None,) * (x.ndim - 2) + ("blocks",)
-        matmul = functools.partial(gates.block_diagonal_matmul, interpret=platform != "gpu")
-        return partitioning.shard_local(
-            matmul, (rows, ("blocks", None, None), ("blocks", None)), rows)(x, w, self.b.value)
     xb = x.reshape(*x.shape[:-1], self.num_blocks, -1)
     y = jnp.einsum("...hi,hij->...hj", xb, w)
     return y.reshape(*x.shape[:-1], -1) + bias

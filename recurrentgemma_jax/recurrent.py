@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels import dispatch
+from pallas_kernels import gates
 from recurrentgemma_jax import layers
 from recurrentgemma_jax import scan as scan_lib
 from sharding import partitioning
@@ -98,11 +100,35 @@ class RGLRU(nnx.Module):
     """``a_init``: the range ``a^c`` is drawn from, uniformly (``a_param_init``)."""
     self.scan_impl = scan_impl
     self.fused = fused
+    # xla | pallas (pallas_kernels.gates: Triton, interpreted on a CPU; a TPU takes XLA's).
+    self.gate_impl = gate_impl
     self.dtype = dtype
     self.a_param = layers.param(rngs, a_param_init(*a_init), (width,), param_dtype, ("lru",))
     kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
-    self.input_gate = layers.BlockDiagonalLinear(width, width, num_blocks, impl=gate_impl, **kw)
-    self.a_gate = layers.BlockDiagonalLinear(width, width, num_blocks, impl=gate_impl, **kw)
+    self.input_gate = layers.BlockDiagonalLinear(width, width, num_blocks, **kw)
+    self.a_gate = layers.BlockDiagonalLinear(width, width, num_blocks, **kw)
+
+  def gates(self, x: Float[Array, "b t d"]):
+    """``(x, input-gate logits, a-gate logits)``. With the kernel, both gates come from one
+    read of ``x`` and ``x`` is passed through the same call, so the backward sums the three
+    gradients of ``x`` in the kernel that writes it (``pallas_kernels.gates``)."""
+    platform = dispatch.target_platform()
+    w = self.input_gate.w.value
+    if self.gate_impl != "pallas" or platform == "tpu" or not gates.supported(*w.shape[1:]):
+      return x, self.input_gate(x), self.a_gate(x)
+    # Per device under a mesh: a device's channels are whole blocks (``blocks``).
+    rows = ("batch",) + (None,) * (x.ndim - 2) + ("blocks",)
+    weight, bias = ("blocks", None, None), ("blocks", None)
+
+    def both(x, w_x, w_a, b_x, b_a):
+      x, (gate_x, gate_a) = gates.block_diagonal_with_skip(
+          x, (w_x, w_a), (b_x, b_a), interpret=platform != "gpu")
+      return x, gate_x, gate_a
+
+    x, gate_x, gate_a = partitioning.shard_local(
+        both, (rows, weight, weight, bias, bias), (rows, rows, rows))(
+            x, w, self.a_gate.w.value, self.input_gate.b.value, self.a_gate.b.value)
+    return x, gate_x, gate_a
 
   def __call__(
       self,
@@ -113,8 +139,7 @@ class RGLRU(nnx.Module):
     """Returns ``y`` (in the activation dtype) and the last state (float32)."""
     x = x.astype(self.dtype)
     reset = segment_pos == 0
-    gate_x_logits = self.input_gate(x)
-    gate_a_logits = self.a_gate(x)
+    x, gate_x_logits, gate_a_logits = self.gates(x)
     if h0 is not None and x.shape[1] == 1:
       # One decoding step: elementwise, fused by XLA with the gates and written over the
       # cached state in place (the scan kernel costs a launch and a copy of the state).

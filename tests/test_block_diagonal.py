@@ -53,6 +53,49 @@ def test_block_diagonal_matmul_matches_float64(shape, blocks, dtype, tol, bias):
     assert err < tol, err
 
 
+@pytest.mark.parametrize("shape,blocks,dtype,tol", [
+    ((300, 3 * 16), (3, 16, 32), jnp.float32, 1e-5),   # N not a multiple of any tile, I != J
+    ((2, 37, 4 * 16), (4, 16, 16), jnp.bfloat16, 2e-2),
+])
+def test_both_gates_with_the_skip_match_float64(shape, blocks, dtype, tol):
+  """The model's form: two weights on one read of x, x passed through, and the backward's dx
+  summing the skip's gradient with both products."""
+  keys = jax.random.split(jax.random.PRNGKey(len(shape)), 8)
+  h, i, j = blocks
+  x = jax.random.normal(keys[0], shape).astype(dtype)
+  ws = [jax.random.normal(k, blocks, jnp.float32) for k in keys[1:3]]
+  bs = [3.0 * jax.random.normal(k, (h, j), jnp.float32) for k in keys[3:5]]
+  skip, ys = block_diagonal.block_diagonal_with_skip(x, ws, bs, interpret=True)
+  assert skip is x or np.array_equal(np.asarray(skip), np.asarray(x))
+  assert len(ys) == 2 and all(y.dtype == dtype for y in ys)
+  for y, w, b in zip(ys, ws, bs):
+    want = reference(x, np.asarray(w.astype(dtype))) + np.asarray(b).reshape(-1)
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=tol,
+                               atol=tol * np.abs(want).max())
+
+  ds = jax.random.normal(keys[5], shape).astype(dtype)
+  dys = [jax.random.normal(k, (*shape[:-1], h * j)).astype(dtype) for k in keys[6:8]]
+
+  def loss(x, ws, bs):
+    skip, ys = block_diagonal.block_diagonal_with_skip(x, ws, bs, interpret=True)
+    outs = [skip, *ys]
+    return sum(jnp.sum(o.astype(jnp.float32) * c.astype(jnp.float32))
+               for o, c in zip(outs, [ds, *dys]))
+
+  dx, dws, dbs = jax.grad(loss, (0, 1, 2))(x, ws, bs)
+  x64 = np.asarray(x, np.float64).reshape(-1, h, i)
+  dy64 = [np.asarray(dy, np.float64).reshape(-1, h, j) for dy in dys]
+  w64 = [np.asarray(w.astype(dtype), np.float64) for w in ws]
+  want_dx = np.asarray(ds, np.float64) + sum(
+      np.einsum("nhj,hij->nhi", dy, w).reshape(shape) for dy, w in zip(dy64, w64))
+  wants = [want_dx] + [np.einsum("nhi,nhj->hij", x64, dy) for dy in dy64] + [
+      dy.sum(0) for dy in dy64]
+  for got, want in zip([dx, *dws, *dbs], wants):
+    assert got.dtype == (dtype if got is dx else jnp.float32)
+    err = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
+    assert err < tol, err
+
+
 def test_block_diagonal_rejects_blocks_the_kernel_cannot_take():
   assert not block_diagonal.supported(160, 160) and block_diagonal.supported(128, 128)
   with pytest.raises(ValueError, match="powers of two"):
@@ -60,6 +103,9 @@ def test_block_diagonal_rejects_blocks_the_kernel_cannot_take():
   with pytest.raises(ValueError, match=r"the bias is \(32,\), not \[H, J\]"):
     block_diagonal.block_diagonal_matmul(jnp.zeros((4, 32)), jnp.zeros((2, 16, 16)),
                                          jnp.zeros((32,)))
+  with pytest.raises(ValueError, match="as many biases as weights"):
+    block_diagonal.block_diagonal_with_skip(jnp.zeros((4, 32)), [jnp.zeros((2, 16, 16))] * 2,
+                                            [jnp.zeros((2, 16))])
 
 
 def test_griffin_with_the_gate_kernel_equals_the_xla_gates():
@@ -94,7 +140,7 @@ def test_gpu_kernel_check_script_passes_every_kernel_and_flags_a_wrong_one(monke
   with pytest.raises(SystemExit) as exit_:
     check.main()
   rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
-  assert exit_.value.code == 0 and len(rows) == 16, rows
+  assert exit_.value.code == 0 and len(rows) == 18, rows
   assert all("| ok |" in row for row in rows), rows
 
   wrong = lambda x, w, b: block_diagonal.block_diagonal_matmul(x, w, b, interpret=True) * 1.01

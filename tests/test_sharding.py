@@ -316,8 +316,8 @@ def test_the_models_kernels_see_only_their_devices_shard(monkeypatch):
 
   monkeypatch.setattr(pallas_kernels, "linear_scan",
                       recording("scan", pallas_kernels.linear_scan))
-  monkeypatch.setattr(gates, "block_diagonal_matmul",
-                      recording("gates", gates.block_diagonal_matmul))
+  monkeypatch.setattr(gates, "block_diagonal_with_skip",
+                      recording("gates", gates.block_diagonal_with_skip))
   cfg = model_lib.ModelConfig(family="hawk", vocab_size=64, width=64, lru_width=64,
                               num_layers=1, num_heads=2, num_gate_blocks=2,
                               mlp_expanded_width=128, dtype="float32", scan_impl="pallas",

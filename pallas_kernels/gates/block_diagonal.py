@@ -1,4 +1,4 @@
-"""Block-diagonal matmul on the GPU without moving activations between layouts (custom VJP).
+"""Block-diagonal matmuls on the GPU without moving activations between layouts (custom VJP).
 
 ``block_diagonal_matmul(x, w, b) -> y`` with ``x: [N, H*I]``, ``w: [H, I, J]``, ``b: [H, J]``
 or None, ``y: [N, H*J]``: ``y[:, h*J:(h+1)*J] = x[:, h*I:(h+1)*I] @ w[h] + b[h]``, float32
@@ -9,14 +9,22 @@ moves the ``[N, H, I]`` activations to ``[H, N, I]`` and back, forward and backw
 those transposes, plus the matmuls, took 4.8% of a Griffin-1.3B training step
 (docs/performance.md).
 
-Here each program reads its ``[rows, I]`` tile straight out of ``x``'s rows (a strided tile, each
+``block_diagonal_with_skip(x, ws, bs) -> (x, ys)`` is the RG-LRU's form: both gates read the
+same ``x``, which the layer also uses itself. One forward program reads its ``x`` tile once for
+every ``(w, b)`` of ``ws, bs``; ``x`` comes back as it is (the skip), so the backward receives
+its gradient and one ``dx`` program sums ``ds + sum_g dy_g @ w_g^T`` before one rounding. Apart,
+the two gates read ``x`` twice, wrote two ``dx`` and XLA summed them with the skip's gradient in
+one more pass: eight ``[N, H*I]`` passes a layer where this makes four (session 19).
+
+Each program reads its ``[rows, I]`` tile straight out of ``x``'s rows (a strided tile, each
 row piece contiguous) and multiplies it by ``w[h]``:
 
 - forward and ``dx``: grid ``(N / rows, H)``, ``y_tile = x_tile @ w[h]`` (``dx`` uses
   ``w[h]^T``);
-- ``dw``: grid ``(N / 1024, H)``. Each program accumulates ``x_tile^T dy_tile`` over its 1024
-  rows (8 tiles of 128 rows; 16 of 64 for float32) in float32 and writes one partial
-  ``[I, J]``. The partials are summed outside, over ``N / 1024``.
+- ``dw`` and ``db``: grid ``(N / 1024, H)``, one call per weight. Each program accumulates
+  ``x_tile^T dy_tile`` and the column sums of ``dy_tile`` over its 1024 rows (8 tiles of 128
+  rows; 16 of 64 for float32) in float32 and writes one partial ``[I, J]`` and ``[J]``. The
+  partials are summed outside, over ``N / 1024`` (the bias gradient was a pass of its own).
 
 Triton lowering (``interpret=True``: Pallas' generic interpreter, used by the tests on the CPU).
 ``I`` and ``J`` must be powers of two of at least 16 (``supported``); ``N`` is padded inside.
@@ -25,6 +33,7 @@ Triton lowering (``interpret=True``: Pallas' generic interpreter, used by the te
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +42,9 @@ from jax.experimental.pallas import triton as plgpu
 
 _ROWS = 128        # rows per tile
 _DW_SPAN = 1024    # rows per dw program
+# Warps per program. H100, session 19, 16 blocks of 128 x 128 over 32768 rows: the forward
+# (two gates) 0.210 ms and dx 0.238 ms with 8, 0.218 and 0.253 with 4.
+_WARPS = 8
 
 
 def _dw_rows(dtype) -> int:
@@ -49,58 +61,104 @@ def supported(in_block: int, out_block: int) -> bool:
   return ok(in_block) and ok(out_block)
 
 
-def _matmul_kernel(x_ref, w_ref, b_ref, y_ref):
-  y = jnp.dot(x_ref[...], w_ref[0], preferred_element_type=jnp.float32)
-  y_ref[...] = (y + b_ref[0, :].astype(jnp.float32)[None, :]).astype(y_ref.dtype)
+def _matmul_kernel(x_ref, *refs, groups):
+  # refs: groups weights [1, I, J], groups biases [1, J], then groups outputs [rows, J].
+  x = x_ref[...]
+  for w_ref, b_ref, y_ref in zip(refs[:groups], refs[groups:2 * groups], refs[2 * groups:]):
+    y = jnp.dot(x, w_ref[0], preferred_element_type=jnp.float32)
+    y_ref[...] = (y + b_ref[0, :].astype(jnp.float32)[None, :]).astype(y_ref.dtype)
 
 
-def _blocks(x, w, b, interpret):
-  """``y`` of the docstring for ``x: [N, H*I]`` with ``N`` a multiple of ``_ROWS`` (``b``: None
-  for no bias)."""
+def _blocks(x, ws, bs, interpret):
+  """``ys`` for ``x: [N, H*I]`` with ``N`` a multiple of ``_ROWS``, one per ``(w, b)``."""
   n = x.shape[0]
-  h, i, j = w.shape
-  if b is None:
-    b = jnp.zeros((h, j), jnp.float32)
+  h, i, j = ws[0].shape
+  groups = len(ws)
+  w_spec = pl.BlockSpec((1, i, j), lambda r, k: (k, 0, 0))
+  b_spec = pl.BlockSpec((1, j), lambda r, k: (k, 0))
+  y_spec = pl.BlockSpec((_ROWS, j), lambda r, k: (r, k))
   return pl.pallas_call(
-      _matmul_kernel,
-      out_shape=jax.ShapeDtypeStruct((n, h * j), x.dtype),
+      functools.partial(_matmul_kernel, groups=groups),
+      out_shape=[jax.ShapeDtypeStruct((n, h * j), x.dtype)] * groups,
       grid=(n // _ROWS, h),
-      in_specs=[pl.BlockSpec((_ROWS, i), lambda r, k: (r, k)),
-                pl.BlockSpec((1, i, j), lambda r, k: (k, 0, 0)),
-                pl.BlockSpec((1, j), lambda r, k: (k, 0))],
-      out_specs=pl.BlockSpec((_ROWS, j), lambda r, k: (r, k)),
-      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4),
+      in_specs=[pl.BlockSpec((_ROWS, i), lambda r, k: (r, k))] + [w_spec] * groups
+      + [b_spec] * groups,
+      out_specs=[y_spec] * groups,
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=_WARPS),
       interpret=interpret,
-  )(x, w.astype(x.dtype), b)
+  )(x, *(w.astype(x.dtype) for w in ws), *bs)
 
 
-def _dw_kernel(x_ref, dy_ref, dw_ref, *, rows_per_step):
-  def body(s, acc):
+def _dx_kernel(*refs, groups, skip):
+  # refs: groups dy tiles [rows, J], groups transposed weights [1, J, I], the skip's gradient
+  # [rows, I] (with skip), then dx [rows, I].
+  dys, wts = refs[:groups], refs[groups:2 * groups]
+  dx_ref = refs[-1]
+  acc = jnp.zeros(dx_ref.shape, jnp.float32)
+  for dy_ref, wt_ref in zip(dys, wts):
+    acc += jnp.dot(dy_ref[...], wt_ref[0], preferred_element_type=jnp.float32)
+  if skip:
+    acc += refs[2 * groups][...].astype(jnp.float32)
+  dx_ref[...] = acc.astype(dx_ref.dtype)
+
+
+def _input_grad(dys, ws, ds, interpret):
+  """``ds + sum_g dy_g @ w_g^T`` per block (``ds`` None: no skip), rows a multiple of
+  ``_ROWS``."""
+  n = dys[0].shape[0]
+  h, i, j = ws[0].shape
+  groups = len(ws)
+  dtype = dys[0].dtype
+  tile = lambda width: pl.BlockSpec((_ROWS, width), lambda r, k: (r, k))
+  wt_spec = pl.BlockSpec((1, j, i), lambda r, k: (k, 0, 0))
+  extra = [] if ds is None else [ds]
+  return pl.pallas_call(
+      functools.partial(_dx_kernel, groups=groups, skip=ds is not None),
+      out_shape=jax.ShapeDtypeStruct((n, h * i), dtype),
+      grid=(n // _ROWS, h),
+      in_specs=[tile(j)] * groups + [wt_spec] * groups + [tile(i)] * len(extra),
+      out_specs=tile(i),
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=_WARPS),
+      interpret=interpret,
+  )(*dys, *(jnp.swapaxes(w, 1, 2).astype(dtype) for w in ws), *extra)
+
+
+def _dw_kernel(x_ref, dy_ref, dw_ref, db_ref, *, rows_per_step):
+  def body(s, carry):
+    acc, col = carry
     rows = pl.ds(s * rows_per_step, rows_per_step)
+    dy = dy_ref[rows, :]
     # x_rows^T dy_rows (``pl.dot`` is gone from JAX 0.12; dot_general works in both)
-    return acc + jax.lax.dot_general(x_ref[rows, :], dy_ref[rows, :], (((0,), (0,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
+    acc += jax.lax.dot_general(x_ref[rows, :], dy, (((0,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+    return acc, col + jnp.sum(dy.astype(jnp.float32), axis=0)
 
   i, j = dw_ref.shape[-2:]
   steps = _DW_SPAN // rows_per_step
-  dw_ref[0, 0] = jax.lax.fori_loop(0, steps, body, jnp.zeros((i, j), jnp.float32))
+  acc, col = jax.lax.fori_loop(
+      0, steps, body, (jnp.zeros((i, j), jnp.float32), jnp.zeros((j,), jnp.float32)))
+  dw_ref[0, 0] = acc
+  db_ref[0, 0, :] = col
 
 
-def _weight_grad(x, dy, h, interpret):
-  """``sum_n x_h^T dy_h`` per block, float32, for ``N`` a multiple of ``_DW_SPAN``."""
+def _weight_grads(x, dy, h, interpret):
+  """``(sum_n x_h^T dy_h, sum_n dy_h)`` per block, float32, for ``N`` a multiple of
+  ``_DW_SPAN``."""
   n = x.shape[0]
   i, j = x.shape[1] // h, dy.shape[1] // h
-  partials = pl.pallas_call(
+  dw, db = pl.pallas_call(
       functools.partial(_dw_kernel, rows_per_step=_dw_rows(x.dtype)),
-      out_shape=jax.ShapeDtypeStruct((n // _DW_SPAN, h, i, j), jnp.float32),
+      out_shape=(jax.ShapeDtypeStruct((n // _DW_SPAN, h, i, j), jnp.float32),
+                 jax.ShapeDtypeStruct((n // _DW_SPAN, h, j), jnp.float32)),
       grid=(n // _DW_SPAN, h),
       in_specs=[pl.BlockSpec((_DW_SPAN, i), lambda r, b: (r, b)),
                 pl.BlockSpec((_DW_SPAN, j), lambda r, b: (r, b))],
-      out_specs=pl.BlockSpec((1, 1, i, j), lambda r, b: (r, b, 0, 0)),
-      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4),
+      out_specs=(pl.BlockSpec((1, 1, i, j), lambda r, b: (r, b, 0, 0)),
+                 pl.BlockSpec((1, 1, j), lambda r, b: (r, b, 0))),
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=_WARPS),
       interpret=interpret,
   )(x, dy)
-  return partials.sum(axis=0)
+  return dw.sum(axis=0), db.sum(axis=0)
 
 
 def _pad_rows(a, multiple):
@@ -108,32 +166,34 @@ def _pad_rows(a, multiple):
   return jnp.pad(a, ((0, extra), (0, 0))) if extra else a
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _matmul(x, w, b, interpret):
-  return _blocks(_pad_rows(x, _ROWS), w, b, interpret)[: x.shape[0]]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _matmuls(x, ws, bs, skip, interpret):
+  ys = tuple(y[: x.shape[0]] for y in _blocks(_pad_rows(x, _ROWS), ws, bs, interpret))
+  return (x, ys) if skip else ys
 
 
-def _matmul_fwd(x, w, b, interpret):
-  return _matmul(x, w, b, interpret), (x, w, b)
+def _matmuls_fwd(x, ws, bs, skip, interpret):
+  return _matmuls(x, ws, bs, skip, interpret), (x, ws, bs)
 
 
-def _matmul_bwd(interpret, residuals, dy):
-  x, w, b = residuals
-  n, h = x.shape[0], w.shape[0]
-  dx = _blocks(_pad_rows(dy, _ROWS), jnp.swapaxes(w, 1, 2), None, interpret)[:n]
-  dw = _weight_grad(_pad_rows(x, _DW_SPAN), _pad_rows(dy.astype(x.dtype), _DW_SPAN), h,
-                    interpret)
-  db = None if b is None else jnp.sum(dy.astype(jnp.float32), axis=0).reshape(b.shape)
-  return dx.astype(x.dtype), dw.astype(w.dtype), None if db is None else db.astype(b.dtype)
+def _matmuls_bwd(skip, interpret, residuals, cotangents):
+  x, ws, bs = residuals
+  n, h = x.shape[0], ws[0].shape[0]
+  ds, dys = cotangents if skip else (None, cotangents)
+  dys = [dy.astype(x.dtype) for dy in dys]
+  ds = None if ds is None else _pad_rows(ds.astype(x.dtype), _ROWS)
+  dx = _input_grad([_pad_rows(dy, _ROWS) for dy in dys], ws, ds, interpret)[:n]
+  x_span = _pad_rows(x, _DW_SPAN)
+  grads = [_weight_grads(x_span, _pad_rows(dy, _DW_SPAN), h, interpret) for dy in dys]
+  dws = tuple(dw.astype(w.dtype) for (dw, _), w in zip(grads, ws))
+  dbs = tuple(db.astype(b.dtype) for (_, db), b in zip(grads, bs))
+  return dx, dws, dbs
 
 
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_matmuls.defvjp(_matmuls_fwd, _matmuls_bwd)
 
 
-def block_diagonal_matmul(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
-                          interpret: bool = False) -> jax.Array:
-  """``x: [..., H*I]``, ``w: [H, I, J]``, ``b: [H, J]`` or None -> ``[..., H*J]`` (see the
-  module docstring)."""
+def _check(x, w, b):
   h, i, j = w.shape
   if x.shape[-1] != h * i:
     raise ValueError(f"x's last dimension {x.shape[-1]} is not {h} blocks x {i}")
@@ -141,6 +201,32 @@ def block_diagonal_matmul(x: jax.Array, w: jax.Array, b: jax.Array | None = None
     raise ValueError(f"the bias is {b.shape}, not [H, J] = {(h, j)}")
   if not supported(i, j):
     raise ValueError(f"blocks of {i} x {j}: the kernel needs powers of two of at least 16")
+
+
+def block_diagonal_matmul(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
+                          interpret: bool = False) -> jax.Array:
+  """``x: [..., H*I]``, ``w: [H, I, J]``, ``b: [H, J]`` or None -> ``[..., H*J]`` (see the
+  module docstring)."""
+  _check(x, w, b)
+  h, _, j = w.shape
+  b = jnp.zeros((h, j), jnp.float32) if b is None else b
   lead = x.shape[:-1]
-  y = _matmul(x.reshape(-1, h * i), w, b, interpret)
+  (y,) = _matmuls(x.reshape(-1, x.shape[-1]), (w,), (b,), False, interpret)
   return y.reshape(*lead, h * j)
+
+
+def block_diagonal_with_skip(x: jax.Array, ws: Sequence[jax.Array], bs: Sequence[jax.Array], *,
+                             interpret: bool = False) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+  """``x: [..., H*I]``, ``ws``: weights ``[H, I, J]`` of one shape, ``bs``: their biases
+  ``[H, J]`` -> ``(x, ys)``, ``ys[g] = block_diagonal_matmul(x, ws[g], bs[g])``; ``x`` comes
+  back as it is so that its other uses take their gradient through this call (the module
+  docstring)."""
+  if not ws or len(ws) != len(bs) or any(w.shape != ws[0].shape for w in ws):
+    raise ValueError(f"block_diagonal_with_skip takes as many biases as weights, all weights "
+                     f"of one shape; got {[w.shape for w in ws]} and {[b.shape for b in bs]}")
+  for w, b in zip(ws, bs):
+    _check(x, w, b)
+  lead = x.shape[:-1]
+  h, _, j = ws[0].shape
+  skip, ys = _matmuls(x.reshape(-1, x.shape[-1]), tuple(ws), tuple(bs), True, interpret)
+  return skip.reshape(x.shape), tuple(y.reshape(*lead, h * j) for y in ys)

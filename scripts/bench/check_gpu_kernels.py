@@ -33,7 +33,7 @@ from pallas_kernels.norm import rms  # noqa: E402
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
 # Triton takes float32 dots at their default precision in TF32 (10-bit mantissa), as XLA's
 # float32 dots on a GPU do: the H100 measured 2.9e-4 at the gate shape.
-TOLERANCE_OVERRIDES = {("block_diagonal", "float32"): 1e-3}
+TOLERANCE_OVERRIDES = {("block_diagonal", "float32"): 1e-3, ("gates_with_skip", "float32"): 1e-3}
 
 
 def _block_diagonal_reference(x, w, b):
@@ -62,6 +62,18 @@ def cases(tiny: bool):
   bdm = lambda x, w, b: block_diagonal.block_diagonal_matmul(x, w, b, interpret=interpret)
   yield ("block_diagonal", bdm, _block_diagonal_reference,
          [("x", (n, h * i)), ("param", (h, i, j)), ("param", (h, j))])
+
+  def pair(kernel):  # the RG-LRU's two gates with the skip (the model's form), flat outputs
+    def fn(x, w_x, w_a, b_x, b_a):
+      if kernel:
+        skip, ys = block_diagonal.block_diagonal_with_skip(x, (w_x, w_a), (b_x, b_a),
+                                                           interpret=interpret)
+        return (skip, *ys)
+      return (x, _block_diagonal_reference(x, w_x, b_x), _block_diagonal_reference(x, w_a, b_a))
+    return fn
+
+  yield ("gates_with_skip", pair(True), pair(False),
+         [("x", (n, h * i))] + [("param", (h, i, j))] * 2 + [("param", (h, j))] * 2)
   n, m = (70, 48) if tiny else (32768, 4608)                  # MQA 400M's MLP, 16 x 2048 rows
   mlp = lambda up, bias: gating.gated_gelu(up, bias, interpret=interpret)
   yield ("mlp_gating", mlp, gating.forward,
