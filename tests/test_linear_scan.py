@@ -233,7 +233,7 @@ def test_rg_lru_fused_with_the_mosaic_gpu_forward(shape, dtype, monkeypatch):
 
 
 def test_rg_lru_fused_lowers_for_a_gpu(monkeypatch):
-  # The GPU kernels lower for CUDA on this CPU machine (no GPU needed): the opt-in Mosaic GPU
+  # The GPU kernels lower for CUDA on this CPU machine (no GPU needed): the Mosaic GPU
   # forward where the batch gives enough blocks, the Triton forward where it does not, the
   # Triton backward in both; and the Mosaic kernel is refused for per-token rows of an
   # unaligned T.

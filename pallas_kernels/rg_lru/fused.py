@@ -31,18 +31,19 @@ _MIN_SQRT_ARG = 1.0 / (4.0 * MAX_SQRT_GRADIENT**2)
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
-# The Mosaic GPU forward (gpu_mosaic.mosaic_scan, Hopper and newer), opt-in: set MOSAIC_FORWARD
-# = True. On an H100 at the Griffin-400M layer (B=16, T=2048, D=2048) it takes the forward from
-# 0.36 ms (Triton) to 0.222 ms, and forward + backward to 0.706 ms, 76% of the bytes floor
-# (docs/kernels.md); but Griffin-400M's training step did not get faster (184.3 against 182.9 ms)
-# and its compile grew from about 32 s to 95 s (a Mosaic kernel per layer), so it is off by
-# default. Its tiles: 128 channels per CUDA block (one per thread of its warpgroup), 32 time rows
-# (the reset flags' float32 tile must be a multiple of 128 bytes), 2 stages (a small
-# shared-memory ring lets several blocks share an SM: 0.369 ms with 3 stages, 0.241 with 2),
-# rows looped 8 at a time (every row unrolled: 0.222 ms but 14.6 s to compile; 8: 0.227 ms, 2.4
-# s). With fewer than MOSAIC_MIN_BLOCKS blocks (B=4, D=2048: 64, 1.155 ms) the Triton forward,
-# whose blocks narrow with the batch (gpu_block), runs instead.
-MOSAIC_FORWARD = False
+# The Mosaic GPU forward (gpu_mosaic.mosaic_scan, Hopper and newer), the default there since
+# session 19 (MOSAIC_FORWARD = True: the Triton forward). On an H100 at the Griffin-400M layer
+# (B=16, T=2048, D=2048) it takes the forward from 0.36 ms (Triton) to 0.222 ms, and forward +
+# backward to 0.706 ms, 76% of the bytes floor (docs/kernels.md). In session 10 Griffin-400M's
+# training step did not get faster with it (184.3 against 182.9 ms, run-to-run noise then) and
+# its compile grew from 32 s to 95 s; in session 19's same-call A/B the step went from 171.3 to
+# 169.5 ms and compiled in 76 s against 81 s. Its tiles: 128 channels per CUDA block (one per
+# thread of its warpgroup), 32 time rows (the reset flags' float32 tile must be a multiple of 128
+# bytes), 2 stages (a small shared-memory ring lets several blocks share an SM: 0.369 ms with 3
+# stages, 0.241 with 2), rows looped 8 at a time (every row unrolled: 0.222 ms but 14.6 s to
+# compile; 8: 0.227 ms, 2.4 s). With fewer than MOSAIC_MIN_BLOCKS blocks (B=4, D=2048: 64,
+# 1.155 ms) the Triton forward, whose blocks narrow with the batch (gpu_block), runs instead.
+MOSAIC_FORWARD = True
 MOSAIC_BLOCK_D, MOSAIC_ROWS, MOSAIC_STAGES, MOSAIC_MIN_BLOCKS = 128, 32, 2, 256
 MOSAIC_ROW_UNROLL = 8
 

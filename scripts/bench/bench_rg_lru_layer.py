@@ -1,7 +1,7 @@
 """The RG-LRU layer on a GPU: XLA gating + the Pallas scan against the fused layer kernel
-(``pallas_kernels.rg_lru.fused``, the model's GPU default) as it runs by default and with its
-opt-in Mosaic GPU forward, forward and forward+backward, at one shape (default: the
-Griffin-400M layer, B=16, T=2048, D=2048, bf16).
+(``pallas_kernels.rg_lru.fused``, the model's GPU default) with its Triton forward and with its
+Mosaic GPU forward (the default on Hopper), forward and forward+backward, at one shape
+(default: the Griffin-400M layer, B=16, T=2048, D=2048, bf16).
 
   python scripts/bench/bench_rg_lru_layer.py [--batch 16] [--seq_len 2048] [--width 2048] [--iters 20]
 
@@ -65,8 +65,8 @@ def main():
   default = dispatch.scan_config()
   config = dataclasses.replace(default, **rg_lru_fused.gpu_block(b, d))
   rows = [("XLA gating + Pallas scan", unfused, False),  # (name, layer, MOSAIC_FORWARD)
-          ("fused (the default: Triton forward)", fused(config), False),
-          ("fused, Mosaic GPU forward (MOSAIC_FORWARD)", fused(config), True)]
+          ("fused, Triton forward", fused(config), False),
+          ("fused, Mosaic GPU forward (the default on Hopper)", fused(config), True)]
   print("| RG-LRU layer | fwd (ms) | fwd % floor | fwd+bwd (ms) | fwd+bwd % floor |\n"
         "|---|---|---|---|---|")
   for name, f, mosaic in rows:
