@@ -232,6 +232,43 @@ def test_rg_lru_fused_with_the_mosaic_gpu_forward(shape, dtype, monkeypatch):
     assert rel_err(g, g_ref) < tol, name
 
 
+@pytest.mark.parametrize("shape,dtype,chunks,forward", [
+    ((2, 48, 64), jnp.float32, 4, "triton"),     # runs of 12: resets inside and at the edges
+    ((3, 64, 128), jnp.bfloat16, 2, "mosaic"),   # the Mosaic forward's interpreter on the runs
+])
+def test_rg_lru_in_time_chunks_matches_float64(shape, dtype, chunks, forward, monkeypatch):
+  # The chunked schedule (fused.rg_lru_chunked): values, h_last and every gradient, for a
+  # cotangent of h_last too, against the one long float64 scan.
+  from pallas_kernels.rg_lru import fused
+  monkeypatch.setattr(fused, "MOSAIC_MIN_BLOCKS", 1)
+  config = blocked.ScanConfig(backend="gpu", interpret=True, gpu_block_d=64, gpu_chunk=4,
+                              gpu_forward=forward)
+  args, reset, dy = layer_inputs(sum(shape) + chunks, shape, dtype)
+  reset = reset.at[:, shape[1] // chunks].set(True)  # a document starting at a run's first row
+  fwd = lambda x, gx, ga, p, h0: fused.rg_lru_chunked(x, gx, ga, p, reset.astype(jnp.float32),
+                                                      h0, config, chunks)
+  dh_last = jax.random.normal(jax.random.PRNGKey(2), args[-1].shape)
+  (y, h_last), vjp = jax.vjp(fwd, *args)
+  grads = vjp((dy, dh_last))
+  with jax.enable_x64(True):
+    ref = lambda x, gx, ga, p, h0: reference.rg_lru_reference(x, gx, ga, p, reset, h0)
+    (y_ref, h_ref), ref_vjp = jax.vjp(ref, *map(f64, args))
+    ref_grads = ref_vjp((f64(dy), f64(dh_last)))
+  tol = TOLERANCE[dtype]
+  assert rel_err(y, y_ref) < tol and rel_err(h_last, h_ref) < 1e-5
+  for name, g, g_ref in zip(("dx", "d_gate_x", "d_gate_a", "d_a_param", "dh0"), grads,
+                            ref_grads):
+    assert rel_err(g, g_ref) < tol, name
+
+
+def test_time_chunks_fill_the_gpu_only_where_the_batch_does_not():
+  from pallas_kernels.rg_lru import fused
+  assert fused.time_chunks(4, 8192, 2048) == 4      # Griffin 400M at T=8192: 4 x 16 blocks
+  assert fused.time_chunks(16, 2048, 2048) == 1     # at T=2048 the batch fills 256 blocks
+  assert fused.time_chunks(1, 4096, 2560) == 16     # runs of 256 (MIN_CHUNK_T)
+  assert fused.time_chunks(1, 300, 2560) == 1       # 300 has no runs of 256 that divide it
+
+
 def test_rg_lru_fused_lowers_for_a_gpu(monkeypatch):
   # The GPU kernels lower for CUDA on this CPU machine (no GPU needed): the Mosaic GPU
   # forward where the batch gives enough blocks, the Triton forward where it does not, the
@@ -251,3 +288,12 @@ def test_rg_lru_fused_lowers_for_a_gpu(monkeypatch):
     assert ("mosaic_gpu" in text) == (batch == 16), batch
     assert "@__gpu$xla.gpu.triton" in text
   assert not gpu_mosaic.supports(x, token_rows=(jnp.zeros((16, 62)),))
+  # The time-chunked schedule of 4 long rows: the chunk passes (Triton) and the Mosaic forward
+  # on the 16 runs.
+  x, reset, h0 = jnp.zeros((4, 1024, 2048), jnp.bfloat16), jnp.zeros((4, 1024)), h0[:4]
+  config = blocked.ScanConfig(backend="gpu", gpu_forward="mosaic", **fused.gpu_block(16, 2048))
+  def chunked_loss(x, p):
+    return jnp.sum(fused.rg_lru_chunked(x, x, x, p, reset, h0, config, 4)[0].astype(jnp.float32))
+  text = jax.jit(jax.grad(chunked_loss, argnums=(0, 1))).trace(x, jnp.zeros((2048,))).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and text.count("@__gpu$xla.gpu.triton") >= 3

@@ -141,6 +141,112 @@ def _backward(config, residuals, cotangents):
 rg_lru_with_config.defvjp(_forward, _backward)
 
 
+# The time-chunked schedule (``rg_lru_chunked``): rows of at least this many steps per chunk.
+MIN_CHUNK_T = 256
+
+
+def _end_step(carries, ins):
+  # A chunk from a zero state: its end state and the product of its decays, nothing written.
+  (h, p), (x, x_logit, a_logit, reset, softplus_a) = carries, ins
+  gate_x, _, a, _, mult, _ = _gates(x_logit, a_logit, reset, softplus_a)
+  return (a * h + x * gate_x * mult, p * a), ()
+
+
+def _carry_step(carries, ins):
+  # A chunk's own dy carried back to its start from a zero cotangent at its end (the decay
+  # alone: ``c = a_t (dy_t + c)``), nothing written.
+  (c,), (dy, a_logit, reset, softplus_a) = carries, ins
+  a = _gates(a_logit, a_logit, reset, softplus_a)[2]
+  return (a * (dy + c),), ()
+
+
+def time_chunks(batch: int, length: int, width: int) -> int:
+  """Chunks of the time axis for ``rg_lru_chunked``: doubled (while they divide ``length`` into
+  runs of at least ``MIN_CHUNK_T``) until ``batch x chunks`` rows fill ``MOSAIC_MIN_BLOCKS``
+  blocks of ``MOSAIC_BLOCK_D`` channels; 1 (the plain kernels) when the batch already does."""
+  chunks = 1
+  while (batch * chunks * -(-width // MOSAIC_BLOCK_D) < MOSAIC_MIN_BLOCKS
+         and length % (2 * chunks) == 0 and length // (2 * chunks) >= MIN_CHUNK_T):
+    chunks *= 2
+  return chunks
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def rg_lru_chunked(x, gate_x_logits, gate_a_logits, a_param, reset, h0, config, chunks):
+  """``rg_lru_with_config`` with the time axis cut into ``chunks`` runs scanned side by side.
+
+  A few long rows (4 x 8192 at Griffin-400M's width) leave the sequential kernels too few
+  programs: the forward falls back from the Mosaic kernel to a Triton one at 64-channel blocks
+  and the layer took 1.99 ms forward + backward on an H100 against 0.71 ms for the same tokens
+  as 16 x 2048 rows (docs/kernels.md). The recurrence is affine in the state a run starts from,
+  ``h_end = P h_start + e`` (``P`` the run's product of decays, ``e`` its end state from zero),
+  so ``[B, T, D]`` is read as ``[B * chunks, T / chunks, D]`` (a free reshape) and:
+
+  - forward: one pass (``_end_step``) gives every run's ``P`` and ``e`` without writing
+    anything; a ``[B, chunks, D]`` composition in order gives each run's start; the fused
+    forward then runs on all runs at once from those starts;
+  - backward: one reverse pass (``_carry_step``, reading only ``dy`` and the decay's logits)
+    gives the cotangent each run's own ``dy`` sends into its start; the reverse composition gives
+    each run's ``dh_last``; the fused backward then runs on all runs at once, reading each run's
+    ``h_start`` at its boundary.
+
+  The gradients are those of the one long scan (the runs only reorder the same sums). Arguments
+  as ``rg_lru_with_config``; ``T`` divisible by ``chunks``.
+  """
+  return _chunked_forward(x, gate_x_logits, gate_a_logits, a_param, reset, h0, config,
+                          chunks)[0]
+
+
+def _runs(chunks, *arrays):
+  return tuple(a.reshape(a.shape[0] * chunks, a.shape[1] // chunks, *a.shape[2:])
+               for a in arrays)
+
+
+def _chunked_forward(x, gate_x_logits, gate_a_logits, a_param, reset, h0, config, chunks):
+  B, T, D = x.shape
+  softplus_a = jax.nn.softplus(a_param.astype(jnp.float32))
+  xs, gxs, gas, resets = _runs(chunks, x, gate_x_logits, gate_a_logits, reset)
+  zeros = jnp.zeros((B * chunks, D), jnp.float32)
+  _, (ends, decays) = blocked.blocked_scan(
+      _end_step, (xs, gxs, gas), (zeros, zeros + 1.0), out_dtypes=(), reverse=False,
+      config=config, rows=(resets,), params=(softplus_a,))
+  ends, decays = ends.reshape(B, chunks, D), decays.reshape(B, chunks, D)
+  starts, h = [], h0
+  for k in range(chunks):
+    starts.append(h)
+    h = decays[:, k] * h + ends[:, k]
+  starts = jnp.stack(starts, axis=1).reshape(B * chunks, D)
+  (y, h_lasts), _ = _forward(xs, gxs, gas, a_param, resets, starts, config)
+  h_last = h_lasts.reshape(B, chunks, D)[:, -1]
+  residuals = (x, gate_x_logits, gate_a_logits, a_param, reset, starts, decays, y)
+  return (y.reshape(B, T, D), h_last), residuals
+
+
+def _chunked_backward(config, chunks, residuals, cotangents):
+  x, gate_x_logits, gate_a_logits, a_param, reset, starts, decays, y = residuals
+  dy, dh_last = cotangents
+  B, T, D = x.shape
+  softplus_a = jax.nn.softplus(a_param.astype(jnp.float32))
+  dys, gas, resets = _runs(chunks, dy.astype(x.dtype), gate_a_logits, reset)
+  _, (carried,) = blocked.blocked_scan(
+      _carry_step, (dys, gas), (jnp.zeros((B * chunks, D), jnp.float32),), out_dtypes=(),
+      reverse=True, config=config, rows=(resets,), params=(softplus_a,))
+  carried = carried.reshape(B, chunks, D)
+  ends, d = [None] * chunks, dh_last.astype(jnp.float32)
+  for k in reversed(range(chunks)):
+    ends[k] = d
+    d = decays[:, k] * d + carried[:, k]
+  dx, dgx, dga, d_a_param, _, dh0s = _backward(
+      config, (*_runs(chunks, x, gate_x_logits, gate_a_logits), a_param, resets, starts, y),
+      (dys, jnp.stack(ends, axis=1).reshape(B * chunks, D)))
+  back = lambda a: a.reshape(B, T, D)
+  return (back(dx), back(dgx), back(dga), d_a_param, jnp.zeros_like(reset),
+          dh0s.reshape(B, chunks, D)[:, 0])
+
+
+rg_lru_chunked.defvjp(_chunked_forward, _chunked_backward)
+
+
 def gpu_block(batch: int, width: int) -> dict:
   """The fused Triton kernels' block shape on GPU: one channel per thread (``block_d / 32``
   warps), blocks narrow enough for about 128 programs (one per SM) when the batch is small, and
@@ -184,5 +290,8 @@ def rg_lru(x, gate_x_logits, gate_a_logits, a_param, reset=None, h0=None, *, int
   h0 = jnp.zeros((B, D), jnp.float32) if h0 is None else h0.astype(jnp.float32)
   config = dispatch.scan_config(interpret)
   if config.backend == "gpu":
-    config = dataclasses.replace(config, **gpu_block(B, D))
+    chunks = time_chunks(B, T, D)
+    config = dataclasses.replace(config, **gpu_block(B * chunks, D))
+    if chunks > 1:
+      return rg_lru_chunked(x, gate_x_logits, gate_a_logits, a_param, reset, h0, config, chunks)
   return rg_lru_with_config(x, gate_x_logits, gate_a_logits, a_param, reset, h0, config)

@@ -53,6 +53,9 @@ def main():
     return lambda x, gx, ga, p: rg_lru_fused.rg_lru_with_config(
         x, gx, ga, p, reset.astype(jnp.float32), h0, config)[0]
 
+  def chunked(x, gx, ga, p):  # the model's call: the time-chunked schedule where it applies
+    return rg_lru_fused.rg_lru(x, gx, ga, p, reset, h0)[0]
+
   def fwd_bwd(f):
     def run(*xs):
       _, vjp = jax.vjp(f, *xs)
@@ -66,7 +69,9 @@ def main():
   config = dataclasses.replace(default, **rg_lru_fused.gpu_block(b, d))
   rows = [("XLA gating + Pallas scan", unfused, False),  # (name, layer, MOSAIC_FORWARD)
           ("fused, Triton forward", fused(config), False),
-          ("fused, Mosaic GPU forward (the default on Hopper)", fused(config), True)]
+          ("fused, Mosaic GPU forward (the default on Hopper)", fused(config), True),
+          (f"rg_lru (the model's call: {rg_lru_fused.time_chunks(b, t, d)} time chunks)",
+           chunked, True)]
   print("| RG-LRU layer | fwd (ms) | fwd % floor | fwd+bwd (ms) | fwd+bwd % floor |\n"
         "|---|---|---|---|---|")
   for name, f, mosaic in rows:

@@ -52,6 +52,10 @@ def cases(tiny: bool):
   bd = (64, 4, 16, 16) if tiny else (32768, 16, 128, 128)      # rows, blocks, in, out
   yield ("rg_lru", pallas_kernels.rg_lru, pallas_kernels.rg_lru_reference,
          [("x", (b, t, d)), ("x", (b, t, d)), ("x", (b, t, d)), ("param", (d,)), ("reset", (b, t))])
+  lb, lt = (1, 512) if tiny else (4, 8192)                    # Griffin 400M at T=8192: chunked
+  yield ("rg_lru", pallas_kernels.rg_lru, pallas_kernels.rg_lru_reference,
+         [("x", (lb, lt, d)), ("x", (lb, lt, d)), ("x", (lb, lt, d)), ("param", (d,)),
+          ("reset", (lb, lt))])
   yield ("linear_scan", pallas_kernels.linear_scan, pallas_kernels.linear_scan_reference,
          [("x", (b, t, d)), ("decay", (b, t, d))])
   for q in (gla, gla128):
