@@ -6,7 +6,7 @@
 - ``mlp``: the gated MLP's GeLU gating with a one-pass backward (Triton GPU).
 - ``conv1d``: the recurrent block's causal Conv1D with a one-pass backward (Triton GPU).
 - ``norm``: a pre-norm block's RMSNorm with a one-pass backward that adds the skip's gradient
-  and sums a bias's (Triton GPU).
+  (Triton GPU).
 - ``attention``: splash attention on TPU.
 - ``dispatch``: which kernel runs on which platform (the platform compiled for, not the host).
 """

@@ -272,14 +272,10 @@ class MQAttention(nnx.Module):
       x: Float[Array, "b t d"],
       segment_pos: Int[Array, "b t"],
       cache: AttentionCache | None = None,
-      add_bias: bool = True,
   ) -> tuple[Float[Array, "b t d"], AttentionCache | None]:
     """Without a cache: attention within the row (training, evaluation). With one: the new
-    tokens also see the cached keys of their document, and the cache is updated.
-    ``add_bias=False``: the output without ``output_bias``, for the norm after the block to add
-    (``model.ResidualBlock``)."""
+    tokens also see the cached keys of their document, and the cache is updated."""
     b, t, _ = x.shape
-    project = lambda encoded: self.proj_final(encoded.reshape(b, t, -1), add_bias)
     q = apply_rope(self.proj_q(x).reshape(b, t, self.num_heads, self.head_dim), segment_pos)
     k = apply_rope(self.proj_k(x).reshape(b, t, 1, self.head_dim), segment_pos)[:, :, 0]
     v = self.proj_v(x).reshape(b, t, self.head_dim)
@@ -297,23 +293,19 @@ class MQAttention(nnx.Module):
       bthd, bth = ("batch", None, "heads", None), ("batch", None, None)
       encoded = partitioning.shard_local(attend, (bthd, bth, bth, ("batch", None)), bthd)(
           q, k, v, segment_pos)
-      return project(encoded), None
+      return self.proj_final(encoded.reshape(b, t, -1)), None
     if cache is None and self.window is not None and t > self._band_keys:
       encoded = self._banded(q, k, v, segment_pos)
-      return project(encoded), None
+      return self.proj_final(encoded.reshape(b, t, -1)), None
     if cache is not None and t == 1:
       encoded, new_cache = self._decode_step(q, k, v, segment_pos, cache)
-      return project(encoded), new_cache
+      return self.proj_final(encoded.reshape(b, t, -1)), new_cache
     if cache is None:
       keys, values, mask, new_cache = k, v, attention_mask(segment_pos, self.window), None
     else:
       keys, values, mask, new_cache = self._with_cache(k, v, segment_pos, cache)
     encoded = _masked_attention(q, keys, values, mask[:, None], self.head_dim**-0.5)
-    return project(encoded), new_cache
-
-  @property
-  def output_bias(self) -> Float[Array, "d"]:
-    return self.proj_final.bias.value
+    return self.proj_final(encoded.reshape(b, t, -1)), new_cache
 
   @property
   def _band_keys(self) -> int:

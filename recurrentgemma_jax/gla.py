@@ -56,11 +56,8 @@ class GLABlock(nnx.Module):
       x: Float[Array, "b t d"],
       segment_pos: Int[Array, "b t"],
       cache: Float[Array, "b h k v"] | None = None,
-      add_bias: bool = True,
   ) -> tuple[Float[Array, "b t d"], Float[Array, "b h k v"]]:
-    """Returns the block output and the last state (float32), the decoding cache.
-    ``add_bias=False``: the output without ``output_bias``, for the norm after the block to add
-    (``model.ResidualBlock``)."""
+    """Returns the block output and the last state (float32), the decoding cache."""
     b, t, _ = x.shape
     heads = self.num_heads
     split = lambda y: y.reshape(b, t, heads, -1)
@@ -69,11 +66,7 @@ class GLABlock(nnx.Module):
     log_g = split(jax.nn.log_sigmoid(gate_logits) / GATE_TEMPERATURE)
     o, state = self._recurrence(q, k, v, log_g, cache, segment_pos == 0)
     o = self.head_norm(o).reshape(b, t, self.value_dim)
-    return self.proj_out(o * jax.nn.swish(self.proj_r(x)), add_bias), state
-
-  @property
-  def output_bias(self) -> Float[Array, "d"]:
-    return self.proj_out.bias.value
+    return self.proj_out(o * jax.nn.swish(self.proj_r(x))), state
 
   def init_cache(self, batch_size: int, max_len: int, dtype) -> jax.Array:
     """The empty state ``[B, heads, K, V]`` (float32), whatever ``max_len``."""

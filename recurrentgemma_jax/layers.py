@@ -56,11 +56,6 @@ def zeros(shape: Sequence[int], dtype: jnp.dtype, axes: tuple[str | None, ...]) 
   return nnx.Param(jnp.zeros(tuple(shape), dtype), axes=axes)
 
 
-def plus_bias(x: Float[Array, "*b d"], bias: Float[Array, "d"] | None) -> Float[Array, "*b d"]:
-  """``x + bias`` in ``x``'s dtype; ``x`` itself for no bias (None)."""
-  return x if bias is None else x + bias.astype(x.dtype)
-
-
 class RMSNorm(nnx.Module):
   """``x / rms(x) * (1 + scale)``, computed in float32 whatever the activation dtype."""
 
@@ -76,28 +71,19 @@ class RMSNorm(nnx.Module):
   def __call__(self, x: Float[Array, "*b d"]) -> Float[Array, "*b d"]:
     return norm_kernels.forward(x, self.scale.value, self.eps)
 
-  def runs_kernel(self, x: Float[Array, "*b d"]) -> bool:
-    """Whether ``with_skip`` of rows like ``x`` runs the kernel (``impl="pallas"``, not
-    compiling for TPUs, a width it takes)."""
-    return (self.impl == "pallas" and dispatch.target_platform() != "tpu"
-            and norm_kernels.supported(x.shape[-1]))
-
-  def with_skip(self, x: Float[Array, "*b d"], bias: Float[Array, "d"] | None = None
-                ) -> tuple[Float[Array, "*b d"], Float[Array, "*b d"]]:
-    """``(s, self(s))`` with ``s = x + bias`` (``plus_bias``) for a pre-norm residual block,
-    which keeps the stream ``s`` for its skip connection. With the kernel (``runs_kernel``) the
-    backward is one pass that also adds the skip's gradient and sums the bias's
-    (``pallas_kernels.norm``); the values are the same either way."""
-    if not self.runs_kernel(x):
-      s = plus_bias(x, bias)
-      return s, self(s)
+  def with_skip(self, x: Float[Array, "*b d"]) -> tuple[Float[Array, "*b d"], Float[Array, "*b d"]]:
+    """``(x, self(x))`` for a pre-norm residual block, which keeps ``x`` for its skip
+    connection. With ``impl="pallas"`` the backward is one kernel pass that also adds the
+    skip's gradient (``pallas_kernels.norm``); the values are the same either way."""
+    platform = dispatch.target_platform()
+    if self.impl != "pallas" or platform == "tpu" or not norm_kernels.supported(x.shape[-1]):
+      return x, self(x)
     # Per device under a mesh: rows over ``data``; the normalised axis is not split (``embed``).
     rows = ("batch",) + (None,) * (x.ndim - 2) + (self.axis_name,)
-    interpret = dispatch.target_platform() != "gpu"
-    norm = lambda x, scale, bias: norm_kernels.rms_norm_with_skip(
-        x, scale, eps=self.eps, bias=bias, interpret=interpret)
-    return partitioning.shard_local(norm, (rows, (self.axis_name,), (self.axis_name,)),
-                                    (rows, rows))(x, self.scale.value, bias)
+    norm = functools.partial(norm_kernels.rms_norm_with_skip, eps=self.eps,
+                             interpret=platform != "gpu")
+    return partitioning.shard_local(norm, (rows, (self.axis_name,)), (rows, rows))(
+        x, self.scale.value)
 
 
 class Dense(nnx.Module):
@@ -111,11 +97,9 @@ class Dense(nnx.Module):
                         param_dtype, axes)
     self.bias = zeros((out_features,), param_dtype, (axes[1],)) if use_bias else None
 
-  def __call__(self, x: Float[Array, "*b d"], add_bias: bool = True) -> Float[Array, "*b f"]:
-    """``add_bias=False``: ``x @ kernel`` alone, for a caller that hands ``bias`` to the kernel
-    after it (a norm's or the Conv1D's), which sums its gradient in a pass it makes anyway."""
+  def __call__(self, x: Float[Array, "*b d"]) -> Float[Array, "*b f"]:
     y = jnp.dot(x.astype(self.dtype), self.kernel.value.astype(self.dtype))
-    if add_bias and self.bias is not None:
+    if self.bias is not None:
       y = y + self.bias.value.astype(self.dtype)
     return y
 
@@ -180,16 +164,12 @@ class Conv1D(nnx.Module):
       segment_pos: Int[Array, "b t"],
       state: Float[Array, "w b d"] | None = None,
       count: Int[Array, ""] | int = 0,
-      x_bias: Float[Array, "d"] | None = None,
   ) -> tuple[Float[Array, "b t d"], Float[Array, "w b d"]]:
-    """Returns the convolution of ``x + x_bias`` and the ring buffer after these inputs
-    (``count``: the tokens ``state`` has taken). ``x_bias``: the bias of the Dense layer before,
-    left to this layer, whose kernel sums its gradient with those of ``w`` and ``b``; the other
-    paths add it first, as that layer would have."""
+    """Returns the convolution and the ring buffer after these inputs (``count``: the tokens
+    ``state`` has taken)."""
     width = self.temporal_width
     slots = width - 1
-    unbiased = x.astype(self.dtype)
-    x = plus_bias(unbiased, x_bias)
+    x = x.astype(self.dtype)
     w = self.w.value.astype(self.dtype)
     t = x.shape[1]
     bias = self.b.value.astype(self.dtype)
@@ -216,14 +196,11 @@ class Conv1D(nnx.Module):
     platform = dispatch.target_platform()
     if (state is None and self.impl == "pallas" and platform != "tpu"
         and conv_kernels.supported(x.shape[-1])):
-      # Per device under a mesh (rows over ``data``, channels over ``model``). The kernel adds
-      # x_bias itself (``x`` above then only feeds the ring buffer's last rows).
+      # Per device under a mesh (rows over ``data``, channels over ``model``).
       rows = ("batch", None, "lru")
-      conv = lambda x, w, b, doc, x_bias: conv_kernels.causal_conv1d(
-          x, w, b, doc, x_bias=x_bias, interpret=platform != "gpu")
-      out = partitioning.shard_local(
-          conv, (rows, (None, "lru"), ("lru",), ("batch", None), ("lru",)), rows)(
-              unbiased, self.w.value, self.b.value, doc, x_bias)
+      conv = functools.partial(conv_kernels.causal_conv1d, interpret=platform != "gpu")
+      out = partitioning.shard_local(conv, (rows, (None, "lru"), ("lru",), ("batch", None)),
+                                     rows)(x, self.w.value, self.b.value, doc)
     else:
       out = conv_kernels.forward(padded, padded_doc, w, bias)
     # The last W-1 inputs, taken as tokens count + t - W + 1 .. count + t - 1: slot j holds

@@ -332,9 +332,7 @@ class MLPBlock(nnx.Module):
                                  init_scale=final_init_scale, param_dtype=param_dtype,
                                  dtype=dtype)
 
-  def __call__(self, x: Float[Array, "b t d"], add_bias: bool = True) -> Float[Array, "b t d"]:
-    """``add_bias=False``: the output without ``output_bias``, for the norm after the block to
-    add (``ResidualBlock``)."""
+  def __call__(self, x: Float[Array, "b t d"]) -> Float[Array, "b t d"]:
     x = x.astype(self.dtype)
     # Branch axis next to the features ("btcm", not "cbtm"): one [B*T, D] x [D, 2M] matmul each
     # way, and the backward needs no transposes of [2, B, T, M] activations (measured on an
@@ -346,7 +344,7 @@ class MLPBlock(nnx.Module):
       # the [2, D, M] weight is read as it lies. With "btd,cdm->btcm", XLA transposed the whole
       # weight at every step (H100 profile of Hawk 1.3B at 2048 rows: 0.89 ms of 17 ms).
       up = jnp.einsum("cbtd,cdm->cbtm", jnp.broadcast_to(x, (2, *x.shape)), w) + bias
-      return self.ffw_down(jax.nn.gelu(up[0]) * up[1], add_bias)
+      return self.ffw_down(jax.nn.gelu(up[0]) * up[1])
     bias = bias.reshape(bias.shape[0], bias.shape[-1])
     up = jnp.einsum("btd,cdm->btcm", x, w)
     if self.impl == "pallas" and mlp_kernels.supported(up.shape[-1]):
@@ -355,13 +353,9 @@ class MLPBlock(nnx.Module):
                                  interpret=dispatch.target_platform() != "gpu")
       h = partitioning.shard_local(gating, (("batch", None, None, "mlp"), (None, "mlp")),
                                    ("batch", None, "mlp"))(up, bias)
-      return self.ffw_down(h, add_bias)
+      return self.ffw_down(h)
     up = up + bias
-    return self.ffw_down(jax.nn.gelu(up[..., 0, :]) * up[..., 1, :], add_bias)
-
-  @property
-  def output_bias(self) -> Float[Array, "d"]:
-    return self.ffw_down.bias.value
+    return self.ffw_down(jax.nn.gelu(up[..., 0, :]) * up[..., 1, :])
 
 
 def make_temporal_block(block_type: str, cfg: ModelConfig, rngs: nnx.Rngs, **kw):
@@ -407,33 +401,15 @@ class ResidualBlock(nnx.Module):
     return getattr(self, TEMPORAL_NAMES[self.block_type])
 
   def __call__(self, x, segment_pos, cache=None):
-    """``(x + the block's two residual branches, cache)``."""
-    x, bias, cache = self.on_stream(x, None, segment_pos, cache)
-    return layers.plus_bias(x, bias), cache
-
-  def leaves_biases(self, x) -> bool:
-    """Whether the Dense layers that end the two branches leave their output biases to the norm
-    after each (without a decoding cache): where the norms run their kernel, which adds a bias
-    and sums its gradient in the pass it makes anyway. (Taken by XLA, each such gradient was
-    one more reduction over ``[N, D]``: 0.82 ms of a Griffin-400M step on an H100, session 19.)"""
-    return self.channel_pre_norm.runs_kernel(x)
-
-  def on_stream(self, x, bias, segment_pos, cache=None):
-    """The block on the residual stream ``x + bias`` -> ``(x', bias', cache)``, the stream
-    after it being ``x' + bias'``. A bias is [D] or None: the MLP's output bias left to the
-    next block's first norm (``leaves_biases``), or none."""
-    leave = cache is None and self.leaves_biases(x)
-    x, normed = self.temporal_pre_norm.with_skip(x, bias)
-    y, cache = self.temporal(normed, segment_pos, cache, add_bias=not leave)
-    x, normed = self.channel_pre_norm.with_skip(
-        x + y.astype(x.dtype), self.temporal.output_bias if leave else None)
-    x = x + self.mlp_block(normed, add_bias=not leave).astype(x.dtype)
-    return x, self.mlp_block.output_bias if leave else None, cache
+    x, normed = self.temporal_pre_norm.with_skip(x)
+    y, cache = self.temporal(normed, segment_pos, cache)
+    x, normed = self.channel_pre_norm.with_skip(x + y.astype(x.dtype))
+    x = x + self.mlp_block(normed).astype(x.dtype)
+    return x, cache
 
 
-def _block_forward(block: ResidualBlock, stream, segment_pos):
-  """``stream``: ``(x, bias)`` (``ResidualBlock.on_stream``)."""
-  return block.on_stream(*stream, segment_pos)[:2]
+def _block_forward(block: ResidualBlock, x, segment_pos):
+  return block(x, segment_pos)[0]
 
 
 # Logical name of the leading axis of layer-stacked parameters (``scan_layers``); never sharded.
@@ -485,12 +461,11 @@ class Model(nnx.Module):
       # (prevent_cse matters unrolled only: a scan already keeps XLA from merging the
       # recomputation into the forward pass.)
       scanned_forward = nnx.remat(_block_forward, policy=policy, prevent_cse=False)
-    stream = (x, None)  # the residual stream x + bias: biases left to the next norm
     if self.cfg.layers_scanned:
-      stream = self._scan(scanned_forward, x, segment_pos)
+      x = self._scan(scanned_forward, x, segment_pos)
     for block in self.tail_blocks if self.cfg.layers_scanned else self.blocks:
-      stream = forward(block, stream, segment_pos)
-    return self._logits(layers.plus_bias(*stream))
+      x = forward(block, x, segment_pos)
+    return self._logits(x)
 
   def extend(
       self,
@@ -532,20 +507,16 @@ class Model(nnx.Module):
 
   def _scan(self, forward, x, segment_pos):
     """``x`` through ``cfg.scan_repeats`` runs of the layer pattern: one ``lax.scan`` over the
-    stacked parameters, ``stream = forward(block, stream, segment_pos)`` for each block of a
-    run. Returns the stream ``(x, bias)``."""
+    stacked parameters, ``forward(block, x, segment_pos)`` for each block of a run."""
     graphdef, stacked = nnx.split(self.stacked_blocks)
     stacked = _without_layer_axis(stacked)  # (the metadata of the slices the scan takes)
-    bias = None
-    if self.stacked_blocks[0].leaves_biases(x):  # one carry for every step: a zero bias first
-      bias = jnp.zeros(x.shape[-1:], DTYPES[self.cfg.param_dtype])
 
-    def body(stream, params):
+    def body(x, params):
       for block in nnx.merge(graphdef, params):
-        stream = forward(block, stream, segment_pos)
-      return stream, None
+        x = forward(block, x, segment_pos)
+      return x, None
 
-    return jax.lax.scan(body, (x, bias), stacked)[0]
+    return jax.lax.scan(body, x, stacked)[0]
 
   def _logits(self, x):
     logits = self.embedder.decode(self.final_norm(x))

@@ -187,23 +187,15 @@ class RecurrentBlock(nnx.Module):
       x: Float[Array, "b t d"],
       segment_pos: Int[Array, "b t"],
       cache: RecurrentCache | None = None,
-      add_bias: bool = True,
   ) -> tuple[Float[Array, "b t d"], RecurrentCache]:
-    """``add_bias=False``: the output without ``output_bias``, for the norm after the block to
-    add (``model.ResidualBlock``)."""
     y = jax.nn.gelu(self.linear_y(x))
-    # linear_x's bias is added by the Conv1D (in its kernel's pass, where it runs the kernel).
-    x = self.linear_x(x, add_bias=False)
+    x = self.linear_x(x)
     count = 0 if cache is None else cache.tokens
     x, conv_state = self.conv_1d(x, segment_pos, None if cache is None else cache.conv1d_state,
-                                 count, x_bias=self.linear_x.bias.value)
+                                 count)
     x, h_last = self.rg_lru(x, segment_pos, None if cache is None else cache.rg_lru_state)
-    return self.linear_out(x * y, add_bias), RecurrentCache(
-        h_last, conv_state, jnp.asarray(count + x.shape[1], jnp.int32))
-
-  @property
-  def output_bias(self) -> Float[Array, "d"]:
-    return self.linear_out.bias.value
+    return self.linear_out(x * y), RecurrentCache(h_last, conv_state,
+                                                  jnp.asarray(count + x.shape[1], jnp.int32))
 
   def init_cache(self, batch_size: int, max_len: int, dtype) -> RecurrentCache:
     """The empty state: its size does not depend on ``max_len``."""

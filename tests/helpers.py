@@ -115,25 +115,14 @@ def cudnn_attention_on_cpu(monkeypatch, record=None):
                       lambda *a, **kw: masked(*a[:6], implementation="xla"))
 
 
-def loss_grads_and_kernels(cfg, tokens, segment_pos, biases=0.0):
+def loss_grads_and_kernels(cfg, tokens, segment_pos):
   """A loss of ``Model(cfg)``'s logits (seed 0), its gradients, and how many Pallas calls its
-  gradient's jaxpr holds: for comparing a kernel path with the XLA path it replaces.
-  ``biases``: the scale of normal noise added to the Dense layers' biases (they start at zero,
-  where a bias added twice or not at all would go unnoticed)."""
-  import zlib  # pylint: disable=g-import-not-at-top
+  gradient's jaxpr holds: for comparing a kernel path with the XLA path it replaces."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from recurrentgemma_jax import model as model_lib  # pylint: disable=g-import-not-at-top
   graphdef, params = nnx.split(model_lib.Model(cfg, rngs=nnx.Rngs(0)))
-
-  def shifted(path, x):
-    name = jax.tree_util.keystr(path)
-    if "['bias']" not in name:
-      return x
-    key = jax.random.PRNGKey(zlib.crc32(name.encode()))
-    return x + biases * jax.random.normal(key, x.shape, x.dtype)
-  params = jax.tree_util.tree_map_with_path(shifted, params)
 
   def loss(params):
     logits = nnx.merge(graphdef, params)(tokens, segment_pos)[0]
@@ -142,12 +131,12 @@ def loss_grads_and_kernels(cfg, tokens, segment_pos, biases=0.0):
   return (*jax.value_and_grad(loss)(params), kernels)
 
 
-def xla_and_kernel_runs(cfg, field, tokens, segment_pos, biases=0.0):
+def xla_and_kernel_runs(cfg, field, tokens, segment_pos):
   """``loss_grads_and_kernels`` of ``cfg`` with ``field`` (a ``model.*_impl``) set to ``xla``,
   then to ``pallas``: for comparing a kernel path with the XLA path it replaces."""
   import dataclasses  # pylint: disable=g-import-not-at-top
   return tuple(loss_grads_and_kernels(dataclasses.replace(cfg, **{field: impl}), tokens,
-                                      segment_pos, biases) for impl in ("xla", "pallas"))
+                                      segment_pos) for impl in ("xla", "pallas"))
 
 
 def assert_grads_close(got, want, rtol=1e-4, atol=1e-6):

@@ -10,15 +10,13 @@ import pytest
 
 import helpers
 
-from flax import nnx
 from pallas_kernels.conv1d import causal as kernel
 from recurrentgemma_jax import layers
 from recurrentgemma_jax import model as model_lib
 
 
 def reference(x, w, b, doc, dy):
-  """float64 NumPy, tap by tap: y and the gradients of sum(y * dy): x's, w's, b's, and that of a
-  bias added to x (the column sum of x's)."""
+  """float64 NumPy, tap by tap: y and the gradients of sum(y * dy)."""
   x, w, b, dy = (np.asarray(a, np.float64) for a in (x, w, b, dy))
   doc = np.asarray(doc)
   batch, length, _ = x.shape
@@ -32,7 +30,7 @@ def reference(x, w, b, doc, dy):
           y[r, t] += w[width - 1 - s] * x[r, t - s]
           dx[r, t - s] += w[width - 1 - s] * dy[r, t]
           dw[width - 1 - s] += x[r, t - s] * dy[r, t]
-  return y, dx, dw, dy.sum((0, 1)), dx.sum((0, 1))
+  return y, dx, dw, dy.sum((0, 1))
 
 
 def documents(key, batch, length):
@@ -48,7 +46,6 @@ def documents(key, batch, length):
   return layers.document_ids(jnp.asarray(np.stack(pos)))
 
 
-@pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("shape,width,dtype,tol", [
     ((2, 64, 32), 4, jnp.float32, 1e-5),     # whole 32-row tiles
     ((3, 37, 48), 4, jnp.float32, 1e-5),     # rows past T masked, 16-channel tiles
@@ -57,61 +54,34 @@ def documents(key, batch, length):
     ((2, 50, 128), 4, jnp.bfloat16, 1e-2),
     ((2, 23, 20), 4, jnp.float32, 1e-5),     # D not a multiple of 16: the jnp backward
 ])
-def test_causal_conv1d_matches_float64(shape, width, dtype, tol, with_bias):
-  kx, kw, kb, kd, kdoc, kxb = jax.random.split(jax.random.PRNGKey(sum(shape) + width), 6)
+def test_causal_conv1d_matches_float64(shape, width, dtype, tol):
+  kx, kw, kb, kd, kdoc = jax.random.split(jax.random.PRNGKey(sum(shape) + width), 5)
   x = jax.random.normal(kx, shape).astype(dtype)
   w = jax.random.normal(kw, (width, shape[2]))   # float32 parameters, as in the model
   b = jax.random.normal(kb, (shape[2],))
-  x_bias = jax.random.normal(kxb, (shape[2],)) if with_bias else None
   dy = jax.random.normal(kd, shape).astype(dtype)
   doc = documents(kdoc, *shape[:2]) if shape[1] > 3 else jnp.zeros(shape[:2], jnp.int32)
   assert kernel.supported(shape[2]) == (shape[2] % 16 == 0)
-  # The input as the kernel convolves it: x + x_bias rounded to x's dtype.
-  convolved = x if x_bias is None else x + x_bias.astype(dtype)
-  want = reference(convolved, w.astype(dtype), b.astype(dtype), doc, dy)
+  want = reference(x, w.astype(dtype), b.astype(dtype), doc, dy)
 
-  y = kernel.causal_conv1d(x, w, b, doc, x_bias=x_bias, interpret=True)
+  y = kernel.causal_conv1d(x, w, b, doc, interpret=True)
   assert y.dtype == dtype and y.shape == shape
-  grads = jax.grad(lambda x, w, b, x_bias: jnp.sum(
-      kernel.causal_conv1d(x, w, b, doc, x_bias=x_bias, interpret=True).astype(jnp.float32)
-      * dy.astype(jnp.float32)), (0, 1, 2, 3))(x, w, b, x_bias)
-  if x_bias is None:  # no bias, no gradient of it
-    assert grads[3] is None
-    grads, want = grads[:3], want[:4]
-  assert [g.dtype for g in grads] == [dtype] + [jnp.float32] * (len(grads) - 1)
+  grads = jax.grad(lambda x, w, b: jnp.sum(
+      kernel.causal_conv1d(x, w, b, doc, interpret=True).astype(jnp.float32)
+      * dy.astype(jnp.float32)), (0, 1, 2))(x, w, b)
+  assert [g.dtype for g in grads] == [dtype, jnp.float32, jnp.float32]
   for got, expected in zip((y, *grads), want):
     err = np.linalg.norm(np.asarray(got, np.float64) - expected) / np.linalg.norm(expected)
     assert err < tol, err
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_the_jnp_backward_gives_the_kernels_values(dtype):
-  # backward_reference is the path of widths the kernel does not take: on one it does take,
-  # the two agree (float32 sums in another order; bfloat16 dx within one rounding).
-  kx, kw, kb, kd, kdoc = jax.random.split(jax.random.PRNGKey(7), 5)
-  x = jax.random.normal(kx, (3, 37, 48)).astype(dtype)
-  w, x_bias = jax.random.normal(kw, (4, 48)), jax.random.normal(kb, (48,))
-  dy = jax.random.normal(kd, x.shape).astype(dtype)
-  doc = documents(kdoc, 3, 37)
-  got = kernel._backward_kernel(x, x_bias.astype(dtype), w, doc, dy, True)
-  want = kernel.backward_reference(x, w, jnp.zeros(48), doc, dy, x_bias)
-  assert [a.dtype for a in got] == [dtype] + [jnp.float32] * 3
-  assert [a.dtype for a in want] == [dtype] + [jnp.float32] * 3
-  rtol = 1e-5 if dtype == jnp.float32 else 1e-2
-  for a, b in zip(got, want):
-    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=rtol,
-                               atol=rtol)
-
-
 def test_causal_conv1d_rejects_wrong_shapes():
-  x, doc = jnp.zeros((2, 8, 16)), jnp.zeros((2, 8), jnp.int32)
   with pytest.raises(ValueError, match=r"x \[B, T, D\], w \[W, D\], b \[D\], doc \[B, T\]"):
-    kernel.causal_conv1d(x, jnp.zeros((4, 8)), jnp.zeros((16,)), doc)
-  with pytest.raises(ValueError, match=r"x_bias \[D\] or None; got .* \(8,\)$"):
-    kernel.causal_conv1d(x, jnp.zeros((4, 16)), jnp.zeros((16,)), doc, x_bias=jnp.zeros(8))
+    kernel.causal_conv1d(jnp.zeros((2, 8, 16)), jnp.zeros((4, 8)), jnp.zeros((16,)),
+                         jnp.zeros((2, 8), jnp.int32))
 
 
-def test_griffin_with_the_conv1d_kernel_equals_xla_autodiff(monkeypatch):
+def test_griffin_with_the_conv1d_kernel_equals_xla_autodiff():
   cfg = model_lib.ModelConfig(family="griffin", vocab_size=41, width=32, num_layers=3,
                               num_heads=2, lru_width=48, attention_window_size=4,
                               dtype="float32")
@@ -120,18 +90,11 @@ def test_griffin_with_the_conv1d_kernel_equals_xla_autodiff(monkeypatch):
 
   (l_xla, g_xla, k_xla), (l_kernel, g_kernel, k_kernel) = helpers.xla_and_kernel_runs(
       dataclasses.replace(cfg, fused_rg_lru="false", gate_impl="xla", mlp_impl="xla",
-                          scan_impl="xla_linear"), "conv1d_impl", tokens, pos, biases=0.5)
+                          scan_impl="xla_linear"), "conv1d_impl", tokens, pos)
   # One kernel per recurrent layer (2 of 3), in the backward, only where asked for.
   assert (k_xla, k_kernel) == (0, 2)
-  assert l_kernel == l_xla  # the same jnp forward (linear_x's bias added where it was)
+  assert l_kernel == l_xla  # the same jnp forward
   helpers.assert_grads_close(g_kernel, g_xla)
-  # The kernel takes linear_x's bias (its gradient comes from the kernel's partials).
-  x_biases = []
-  conv = kernel.causal_conv1d
-  monkeypatch.setattr(kernel, "causal_conv1d", lambda *a, x_bias=None, **kw: x_biases.append(
-      x_bias is not None) or conv(*a, x_bias=x_bias, **kw))
-  model_lib.Model(dataclasses.replace(cfg, conv1d_impl="pallas"), rngs=nnx.Rngs(0))(tokens, pos)
-  assert x_biases == [True, True]
   assert cfg.resolved_conv1d_impl == "xla"  # auto: the kernel only on GPUs
   assert dataclasses.replace(cfg, conv1d_impl="triton").errors() == [
       "model.conv1d_impl='triton' is not one of auto|xla|pallas"]
@@ -145,10 +108,8 @@ def test_conv1d_backward_lowers_for_a_gpu():
     w, b = jax.ShapeDtypeStruct((4, 2048), jnp.float32), jax.ShapeDtypeStruct((2048,), jnp.float32)
     doc = jax.ShapeDtypeStruct((2, t), jnp.int32)
 
-    def fwd_bwd(x, w, b, x_bias, doc, dy):
-      conv = lambda x, w, b, x_bias: kernel.causal_conv1d(x, w, b, doc, x_bias=x_bias)
-      y, vjp = jax.vjp(conv, x, w, b, x_bias)
+    def fwd_bwd(x, w, b, doc, dy):
+      y, vjp = jax.vjp(lambda x, w, b: kernel.causal_conv1d(x, w, b, doc), x, w, b)
       return y, vjp(dy)
-    text = jax.jit(fwd_bwd).trace(x, w, b, b, doc, x).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(fwd_bwd).trace(x, w, b, doc, x).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("@__gpu$xla.gpu.triton") == 1, t

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import helpers
 from helpers import ROOT, run_script, script_env
-from recurrentgemma_jax import attention, configlib, data, layers, train
+from recurrentgemma_jax import attention, configlib, data, train
 from recurrentgemma_jax import model as model_lib
 from sharding import partitioning
 
@@ -301,33 +301,6 @@ def test_pallas_kernels_under_a_mesh_give_single_device_losses(kernels):
   config = small_config(**{"mesh.data": 4, "mesh.model": 2, **overrides})
   losses = losses_on(config, jax.devices(), steps=2)[0]
   np.testing.assert_allclose(losses, reference, rtol=1e-5)
-
-
-def test_the_biases_the_norm_and_conv1d_kernels_take_get_single_device_gradients():
-  """Per device (shard_local), the norm and Conv1D kernels sum their bias's gradient over the
-  device's rows only; shard_map's transpose sums those over data, as it does for the scale and
-  for b: the gradients of one device, on 4 x 2 devices."""
-  keys = jax.random.split(jax.random.key(0), 5)
-  x = jax.random.normal(keys[0], (8, 16, 64))
-  bias, x_bias = jax.random.normal(keys[1], (64,)), jax.random.normal(keys[2], (64,))
-  pos = jnp.broadcast_to(jnp.arange(16) % 11, (8, 16))
-  norm = layers.RMSNorm(64, impl="pallas")
-  norm.scale.value = 0.3 * jax.random.normal(keys[3], (64,))
-  conv = layers.Conv1D(64, 4, rngs=nnx.Rngs(0), impl="pallas")
-  conv.b.value = jax.random.normal(keys[4], (64,))
-  (norm_def, norm_params), (conv_def, conv_params) = nnx.split(norm), nnx.split(conv)
-
-  def loss(norm_params, conv_params, x, bias, x_bias):
-    s, n = nnx.merge(norm_def, norm_params).with_skip(x, bias)
-    y, _ = nnx.merge(conv_def, conv_params)(n, pos, x_bias=x_bias)
-    return jnp.sum(jnp.sin(s)) + jnp.sum(y * y)
-
-  grads = jax.jit(jax.grad(loss, argnums=tuple(range(5))))
-  want = grads(norm_params, conv_params, x, bias, x_bias)
-  with jax.set_mesh(partitioning.make_mesh(4, 2)):
-    got = grads(norm_params, conv_params, x, bias, x_bias)
-  assert np.abs(want[3]).min() > 0 and np.abs(want[4]).min() > 0
-  helpers.assert_grads_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_models_kernels_see_only_their_devices_shard(monkeypatch):

@@ -1,11 +1,9 @@
 """The recurrent block's causal Conv1D over time, reset at documents, with a one-pass backward.
 
-``causal_conv1d(x, w, b, doc, x_bias=None) -> y`` with ``x: [B, T, D]``, ``w: [W, D]`` (``W``
-taps), ``b: [D]``, ``doc: [B, T]`` int document numbers (``layers.document_ids``) and an
-optional bias of the input, ``x_bias: [D]`` (added to ``x`` in ``x``'s dtype; none: 0)::
+``causal_conv1d(x, w, b, doc) -> y`` with ``x: [B, T, D]``, ``w: [W, D]`` (``W`` taps),
+``b: [D]``, ``doc: [B, T]`` int document numbers (``layers.document_ids``)::
 
-    y[t] = b + sum_{s < W} w[W-1-s] * (x[t-s] + x_bias)
-                                     over the taps with t-s >= 0 and doc[t-s] == doc[t]
+    y[t] = b + sum_{s < W} w[W-1-s] * x[t-s]   over the taps with t-s >= 0 and doc[t-s] == doc[t]
 
 in ``x``'s dtype. ``forward`` is the same sum over a sequence with a history in front (the
 decoding cache's last inputs); ``layers.Conv1D`` computes with it on every path.
@@ -17,15 +15,11 @@ for its bytes (docs/performance.md, session 15). The backward here is one Triton
 ``[rows, cols]`` tiles of one row ``b``: with ``u = t + s``,
 
     dx[t]        = sum_s w[W-1-s] * dy[u] * [doc[u] == doc[t], u < T]
-    dw[W-1-s]   += sum_t (x[t] + x_bias) * dy[u] * [doc[u] == doc[t], u < T]
+    dw[W-1-s]   += sum_t x[t] * dy[u] * [doc[u] == doc[t], u < T]
     db          += sum_t dy[t]
-    dx_bias     += sum_t dx[t]
 
 so it reads ``x`` once, ``dy`` at ``W`` forward shifts of the same tile (cache hits), writes
-``dx`` and float32 partial sums of ``dw``, ``db`` and ``dx_bias`` per tile, summed outside.
-``x_bias`` is the bias of the Dense layer before the conv (``layers.Conv1D``): taken by XLA,
-its gradient was one more reduction pass over the ``dx`` just written, 0.36 ms for 8 convs of a
-Griffin-400M step (H100, session-19 profile).
+``dx`` and float32 partial sums of ``dw`` and ``db`` per tile, summed outside.
 
 ``interpret=True``: Pallas' interpreter (the CPU tests). ``backward_reference`` is the same
 backward in jnp (float32), the path where ``supported`` says no.
@@ -78,12 +72,10 @@ def reference(x, w, b, doc):
   return forward(*with_empty_history(x, doc, w.shape[0]), w, b)
 
 
-def backward_reference(x, w, b, doc, dy, x_bias=None):
-  """``(dx, dw, db, dx_bias)`` of ``causal_conv1d`` in float32 jnp: the first three cast to the
-  inputs' dtypes, ``dx_bias`` (the column sum of ``dx``) float32."""
+def backward_reference(x, w, b, doc, dy):
+  """``(dx, dw, db)`` of ``causal_conv1d`` in float32 jnp, cast to the inputs' dtypes."""
   f32 = jnp.float32
   width, t = w.shape[0], x.shape[1]
-  convolved = x if x_bias is None else x + x_bias.astype(x.dtype)
   dy32 = jnp.pad(dy.astype(f32), ((0, 0), (0, width - 1), (0, 0)))
   doc_ahead = jnp.pad(doc, ((0, 0), (0, width - 1)), constant_values=-2)
   dx = jnp.zeros(x.shape, f32)
@@ -91,20 +83,18 @@ def backward_reference(x, w, b, doc, dy, x_bias=None):
   for s in range(width):
     term = jnp.where((doc_ahead[:, s: s + t] == doc)[..., None], dy32[:, s: s + t], 0.0)
     dx = dx + term * w[width - 1 - s].astype(f32)
-    dw.append(jnp.sum(term * convolved.astype(f32), axis=(0, 1)))
+    dw.append(jnp.sum(term * x.astype(f32), axis=(0, 1)))
   dw = jnp.stack(dw[::-1])
-  db = jnp.sum(dy32, axis=(0, 1)).astype(b.dtype)
-  return dx.astype(x.dtype), dw.astype(w.dtype), db, jnp.sum(dx, axis=(0, 1))
+  return dx.astype(x.dtype), dw.astype(w.dtype), jnp.sum(dy32, axis=(0, 1)).astype(b.dtype)
 
 
 def _index(i):  # a static index as an array (static ints trip the interpreter's discharge)
   return jnp.asarray(i, jnp.int32)
 
 
-def _bwd_kernel(dy_ref, x_ref, xb_ref, w_ref, doc_ref, dx_ref, part_ref, *, T, width, cols):
+def _bwd_kernel(dy_ref, x_ref, w_ref, doc_ref, dx_ref, part_ref, *, T, width, cols):
   # Whole arrays in, no BlockSpecs: the rows a program reads overlap its neighbours' (the W
-  # shifts), so each load names its rows and masks those past T. Partial rows: the W taps,
-  # then db, then dx_bias.
+  # shifts), so each load names its rows and masks those past T.
   f32 = jnp.float32
   b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   t0 = i * _ROWS
@@ -114,9 +104,6 @@ def _bwd_kernel(dy_ref, x_ref, xb_ref, w_ref, doc_ref, dx_ref, part_ref, *, T, w
   doc_t = plgpu.load(doc_ref.at[b, pl.ds(t0, _ROWS)], mask=in_rows, other=-2)
   x_t = plgpu.load(x_ref.at[b, pl.ds(t0, _ROWS), channels], mask=in_rows[:, None],
                    other=0.0).astype(f32)
-  # The convolved input x + x_bias, rounded to x's dtype as in the forward.
-  x_t = (x_t + plgpu.load(xb_ref.at[channels]).astype(f32)[None, :]).astype(
-      x_ref.dtype).astype(f32)
   dx = jnp.zeros((_ROWS, cols), f32)
   for s in range(width):
     ahead = (rows + s) < T
@@ -131,12 +118,9 @@ def _bwd_kernel(dy_ref, x_ref, xb_ref, w_ref, doc_ref, dx_ref, part_ref, *, T, w
     plgpu.store(part_ref.at[b, i, tap, channels], jnp.sum(term * x_t, axis=0))
   plgpu.store(dx_ref.at[b, pl.ds(t0, _ROWS), channels], dx.astype(dx_ref.dtype),
               mask=in_rows[:, None])
-  plgpu.store(part_ref.at[b, i, _index(width + 1), channels], jnp.sum(dx, axis=0))  # 0 past T
 
 
-def _backward_kernel(x, x_bias, w, doc, dy, interpret):
-  """``backward_reference``'s ``(dx, dw, db, dx_bias)`` in one pass (``x_bias`` in ``x``'s
-  dtype), ``dw`` and ``db`` float32."""
+def _backward_kernel(x, w, doc, dy, interpret):
   bsz, t, d = x.shape
   width = w.shape[0]
   cols = next(c for c in _COLS if d % c == 0)
@@ -144,50 +128,44 @@ def _backward_kernel(x, x_bias, w, doc, dy, interpret):
   dx, partials = pl.pallas_call(
       functools.partial(_bwd_kernel, T=t, width=width, cols=cols),
       out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype),
-                 jax.ShapeDtypeStruct((bsz, blocks, width + 2, d), jnp.float32)),
+                 jax.ShapeDtypeStruct((bsz, blocks, width + 1, d), jnp.float32)),
       grid=(bsz, blocks, d // cols),
       compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4),
       interpret=interpret,
-  )(dy, x, x_bias, w, doc)
+  )(dy, x, w, doc)
   sums = partials.sum(axis=(0, 1))
-  return dx, sums[:width], sums[width], sums[width + 1]
+  return dx, sums[:width], sums[width]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _conv(x, w, b, doc, x_bias, interpret):
-  return reference(x if x_bias is None else x + x_bias.astype(x.dtype), w, b, doc)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _conv(x, w, b, doc, interpret):
+  return reference(x, w, b, doc)
 
 
-def _conv_fwd(x, w, b, doc, x_bias, interpret):
-  # x, not x + x_bias, is kept: the kernel adds the bias to its tiles (no [B, T, D] sum stored).
-  return _conv(x, w, b, doc, x_bias, interpret), (x, w, b, doc, x_bias)
+def _conv_fwd(x, w, b, doc, interpret):
+  return _conv(x, w, b, doc, interpret), (x, w, b, doc)
 
 
 def _conv_bwd(interpret, residuals, dy):
-  x, w, b, doc, x_bias = residuals
+  x, w, b, doc = residuals
   if supported(x.shape[-1]):
-    zero = jnp.zeros(x.shape[-1:], x.dtype)
-    dx, dw, db, dx_bias = _backward_kernel(
-        x, zero if x_bias is None else x_bias.astype(x.dtype), w, doc, dy.astype(x.dtype),
-        interpret)
+    dx, dw, db = _backward_kernel(x, w, doc, dy.astype(x.dtype), interpret)
     dw, db = dw.astype(w.dtype), db.astype(b.dtype)
   else:
-    dx, dw, db, dx_bias = backward_reference(x, w, b, doc, dy, x_bias)
-  return dx, dw, db, None, None if x_bias is None else dx_bias.astype(x_bias.dtype)
+    dx, dw, db = backward_reference(x, w, b, doc, dy)
+  return dx, dw, db, None
 
 
 _conv.defvjp(_conv_fwd, _conv_bwd)
 
 
 def causal_conv1d(x: jax.Array, w: jax.Array, b: jax.Array, doc: jax.Array, *,
-                  x_bias: jax.Array | None = None, interpret: bool = False) -> jax.Array:
-  """``x: [B, T, D]``, ``w: [W, D]``, ``b: [D]``, ``doc: [B, T]`` int, ``x_bias: [D]`` or None
-  -> ``[B, T, D]`` (see the module docstring). ``w``, ``b`` and ``x_bias`` may be float32
-  parameters: they are cast to ``x``'s dtype for the sum, and their gradients come back in their
-  own dtype."""
+                  interpret: bool = False) -> jax.Array:
+  """``x: [B, T, D]``, ``w: [W, D]``, ``b: [D]``, ``doc: [B, T]`` int -> ``[B, T, D]`` (see the
+  module docstring). ``w`` and ``b`` may be float32 parameters: they are cast to ``x``'s dtype
+  for the sum, and their gradients come back in their own dtype."""
   if x.ndim != 3 or w.ndim != 2 or w.shape[1] != x.shape[2] or b.shape != (x.shape[2],) \
-      or doc.shape != x.shape[:2] or x_bias is not None and x_bias.shape != b.shape:
-    raise ValueError(f"causal_conv1d takes x [B, T, D], w [W, D], b [D], doc [B, T], x_bias [D] "
-                     f"or None; got {x.shape}, {w.shape}, {b.shape}, {doc.shape}, "
-                     f"{None if x_bias is None else x_bias.shape}")
-  return _conv(x, w, b, doc.astype(jnp.int32), x_bias, interpret)
+      or doc.shape != x.shape[:2]:
+    raise ValueError(f"causal_conv1d takes x [B, T, D], w [W, D], b [D], doc [B, T]; got "
+                     f"{x.shape}, {w.shape}, {b.shape}, {doc.shape}")
+  return _conv(x, w, b, doc.astype(jnp.int32), interpret)

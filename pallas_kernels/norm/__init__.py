@@ -2,8 +2,8 @@
 interpreted on a CPU).
 
 Public calls: ``forward(x, scale, eps)`` (the jnp form every path uses),
-``rms_norm_with_skip(x, scale, *, eps, bias=None, interpret=False)`` and ``supported(d)``. TPUs
-take XLA's autodiff of the jnp form (``layers.RMSNorm``).
+``rms_norm_with_skip(x, scale, *, eps, interpret=False)`` and ``supported(d)``. TPUs take XLA's
+autodiff of the jnp form (``layers.RMSNorm``).
 """
 
 from pallas_kernels.norm.rms import forward, rms_norm_with_skip, supported

@@ -86,26 +86,10 @@ def cases(tiny: bool):
   conv = lambda x, w, b, doc: causal.causal_conv1d(x, w, b, doc, interpret=interpret)
   yield ("conv1d", conv, causal.reference,
          [("x", (cb, ct, cd)), ("param", (4, cd)), ("param", (cd,)), ("documents", (cb, ct))])
-  # With the input's bias (linear_x's, as the model passes it): one row of the 4 is enough.
-  conv = lambda x, w, b, x_bias, doc: causal.causal_conv1d(x, w, b, doc, x_bias=x_bias,
-                                                           interpret=interpret)
-  yield ("conv1d_x_bias", conv,
-         lambda x, w, b, x_bias, doc: causal.reference(x + x_bias.astype(x.dtype), w, b, doc),
-         [("x", (1, ct, cd)), ("param", (4, cd)), ("param", (cd,)), ("param", (cd,)),
-          ("documents", (1, ct))])
   n, d = (70, 48) if tiny else (32768, 1536)                  # Griffin 400M's residual stream
   norm = lambda x, scale: rms.rms_norm_with_skip(x, scale, eps=1e-6, interpret=interpret)
   yield ("rms_norm", norm, lambda x, scale: (x, rms.forward(x, scale, 1e-6)),
          [("x", (n, d)), ("param", (d,))])
-  # With a bias (the branch's output bias, as the model passes it), on 1/8 of the rows.
-  norm = lambda x, scale, bias: rms.rms_norm_with_skip(x, scale, eps=1e-6, bias=bias,
-                                                       interpret=interpret)
-
-  def norm_reference(x, scale, bias):
-    s = x + bias.astype(x.dtype)
-    return s, rms.forward(s, scale, 1e-6)
-  yield ("rms_norm_bias", norm, norm_reference,
-         [("x", (max(n // 8, 70), d)), ("param", (d,)), ("param", (d,))])
 
 
 def make_inputs(specs, dtype, key):
