@@ -12,7 +12,7 @@ PACKAGES = {
     "pallas_kernels.rg_lru": ["linear_scan", "linear_scan_reference", "rg_lru",
                               "rg_lru_reference", "sequence_parallel_linear_scan"],
     "pallas_kernels.gla": ["chunk_gla", "gla_recurrent_step", "gla_reference"],
-    "pallas_kernels.gates": ["block_diagonal_matmul", "supported"],
+    "pallas_kernels.gates": ["block_diagonal_matmul", "block_diagonal_with_skip", "supported"],
     "pallas_kernels.mlp": ["gated_gelu", "supported"],
     "pallas_kernels.conv1d": ["causal_conv1d", "forward", "supported"],
 }
