@@ -162,6 +162,24 @@ def layer_inputs(seed, shape, dtype):
   return (x, gate_x, gate_a, a_param, h0), reset, dy
 
 
+def assert_layer_matches_float64(fwd, args, reset, dy, dtype, *, seed, h_tol=1e-5):
+  """``fwd(x, gate_x, gate_a, a_param, h0) -> (y, h_last)``: values, h_last and every gradient,
+  for cotangents of y and of h_last, against the one long float64 scan. Returns ``(y, h_last)``."""
+  dh_last = jax.random.normal(jax.random.PRNGKey(seed), args[-1].shape)
+  (y, h_last), vjp = jax.vjp(fwd, *args)
+  grads = vjp((dy, dh_last))
+  with jax.enable_x64(True):
+    ref = lambda x, gx, ga, p, h0: reference.rg_lru_reference(x, gx, ga, p, reset, h0)
+    (y_ref, h_ref), ref_vjp = jax.vjp(ref, *map(f64, args))
+    ref_grads = ref_vjp((f64(dy), f64(dh_last)))
+  tol = TOLERANCE[dtype]
+  assert rel_err(y, y_ref) < tol and rel_err(h_last, h_ref) < h_tol
+  for name, g, g_ref in zip(("dx", "d_gate_x", "d_gate_a", "d_a_param", "dh0"), grads,
+                            ref_grads):
+    assert rel_err(g, g_ref) < tol, name
+  return y, h_last
+
+
 @pytest.mark.parametrize("shape,dtype,config", [
     ((2, 100, 130), jnp.float32, None),           # the public entry (TPU interpret mode)
     ((2, 37, 200), jnp.bfloat16, TPU_SMALL_BLOCKS),
@@ -174,20 +192,9 @@ def test_rg_lru_fused_matches_unfused_layer(shape, dtype, config):
   else:
     fused = lambda x, gx, ga, p, h0: rg_lru_with_config(
         x, gx, ga, p, reset.astype(jnp.float32), h0, config)
-  dh_last = jax.random.normal(jax.random.PRNGKey(0), args[-1].shape)
-  (y, h_last), vjp = jax.vjp(fused, *args)
-  grads = vjp((dy, dh_last))
-  with jax.enable_x64(True):
-    unfused = lambda x, gx, ga, p, h0: reference.rg_lru_reference(x, gx, ga, p, reset, h0)
-    (y_ref, h_ref), ref_vjp = jax.vjp(unfused, *map(f64, args))
-    ref_grads = ref_vjp((f64(dy), f64(dh_last)))
-  tol = TOLERANCE[dtype]
+  y, h_last = assert_layer_matches_float64(fused, args, reset, dy, dtype, seed=0,
+                                           h_tol=TOLERANCE[dtype])
   assert y.dtype == dtype and h_last.dtype == jnp.float32
-  assert rel_err(y, y_ref) < tol
-  assert rel_err(h_last, h_ref) < tol
-  for name, g, g_ref in zip(("dx", "d_gate_x", "d_gate_a", "d_a_param", "dh0"), grads,
-                            ref_grads):
-    assert rel_err(g, g_ref) < tol, name
 
 
 def test_rg_lru_reset_cuts_the_state():
@@ -217,19 +224,8 @@ def test_rg_lru_fused_with_the_mosaic_gpu_forward(shape, dtype, monkeypatch):
   args, reset, dy = layer_inputs(sum(shape), shape, dtype)
   fwd = lambda x, gx, ga, p, h0: rg_lru_with_config(x, gx, ga, p, reset.astype(jnp.float32), h0,
                                                     config)
-  dh_last = jax.random.normal(jax.random.PRNGKey(1), args[-1].shape)
-  (y, h_last), vjp = jax.vjp(fwd, *args)
-  grads = vjp((dy, dh_last))
+  assert_layer_matches_float64(fwd, args, reset, dy, dtype, seed=1)
   assert called
-  with jax.enable_x64(True):
-    ref = lambda x, gx, ga, p, h0: reference.rg_lru_reference(x, gx, ga, p, reset, h0)
-    (y_ref, h_ref), ref_vjp = jax.vjp(ref, *map(f64, args))
-    ref_grads = ref_vjp((f64(dy), f64(dh_last)))
-  tol = TOLERANCE[dtype]
-  assert rel_err(y, y_ref) < tol and rel_err(h_last, h_ref) < 1e-5
-  for name, g, g_ref in zip(("dx", "d_gate_x", "d_gate_a", "d_a_param", "dh0"), grads,
-                            ref_grads):
-    assert rel_err(g, g_ref) < tol, name
 
 
 @pytest.mark.parametrize("shape,dtype,chunks,forward", [
@@ -247,18 +243,7 @@ def test_rg_lru_in_time_chunks_matches_float64(shape, dtype, chunks, forward, mo
   reset = reset.at[:, shape[1] // chunks].set(True)  # a document starting at a run's first row
   fwd = lambda x, gx, ga, p, h0: fused.rg_lru_chunked(x, gx, ga, p, reset.astype(jnp.float32),
                                                       h0, config, chunks)
-  dh_last = jax.random.normal(jax.random.PRNGKey(2), args[-1].shape)
-  (y, h_last), vjp = jax.vjp(fwd, *args)
-  grads = vjp((dy, dh_last))
-  with jax.enable_x64(True):
-    ref = lambda x, gx, ga, p, h0: reference.rg_lru_reference(x, gx, ga, p, reset, h0)
-    (y_ref, h_ref), ref_vjp = jax.vjp(ref, *map(f64, args))
-    ref_grads = ref_vjp((f64(dy), f64(dh_last)))
-  tol = TOLERANCE[dtype]
-  assert rel_err(y, y_ref) < tol and rel_err(h_last, h_ref) < 1e-5
-  for name, g, g_ref in zip(("dx", "d_gate_x", "d_gate_a", "d_a_param", "dh0"), grads,
-                            ref_grads):
-    assert rel_err(g, g_ref) < tol, name
+  assert_layer_matches_float64(fwd, args, reset, dy, dtype, seed=2)
 
 
 def test_time_chunks_fill_the_gpu_only_where_the_batch_does_not():

@@ -32,7 +32,7 @@ _MIN_SQRT_ARG = 1.0 / (4.0 * MAX_SQRT_GRADIENT**2)
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 # The Mosaic GPU forward (gpu_mosaic.mosaic_scan, Hopper and newer), the default there since
-# session 19 (MOSAIC_FORWARD = True: the Triton forward). On an H100 at the Griffin-400M layer
+# session 19 (MOSAIC_FORWARD = False: the Triton forward). On an H100 at the Griffin-400M layer
 # (B=16, T=2048, D=2048) it takes the forward from 0.36 ms (Triton) to 0.222 ms, and forward +
 # backward to 0.706 ms, 76% of the bytes floor (docs/kernels.md). In session 10 Griffin-400M's
 # training step did not get faster with it (184.3 against 182.9 ms, run-to-run noise then) and
@@ -156,7 +156,7 @@ def _carry_step(carries, ins):
   # A chunk's own dy carried back to its start from a zero cotangent at its end (the decay
   # alone: ``c = a_t (dy_t + c)``), nothing written.
   (c,), (dy, a_logit, reset, softplus_a) = carries, ins
-  a = _gates(a_logit, a_logit, reset, softplus_a)[2]
+  a = _gates(a_logit, a_logit, reset, softplus_a)[2]  # (its input gate unused: no x_logit read)
   return (a * (dy + c),), ()
 
 
@@ -227,7 +227,8 @@ def _chunked_backward(config, chunks, residuals, cotangents):
   dy, dh_last = cotangents
   B, T, D = x.shape
   softplus_a = jax.nn.softplus(a_param.astype(jnp.float32))
-  dys, gas, resets = _runs(chunks, dy.astype(x.dtype), gate_a_logits, reset)
+  xs, gxs, gas, resets, dys = _runs(chunks, x, gate_x_logits, gate_a_logits, reset,
+                                    dy.astype(x.dtype))
   _, (carried,) = blocked.blocked_scan(
       _carry_step, (dys, gas), (jnp.zeros((B * chunks, D), jnp.float32),), out_dtypes=(),
       reverse=True, config=config, rows=(resets,), params=(softplus_a,))
@@ -237,7 +238,7 @@ def _chunked_backward(config, chunks, residuals, cotangents):
     run_dh_last[k] = d
     d = decays[:, k] * d + carried[:, k]
   dx, dgx, dga, d_a_param, _, dh0s = _backward(
-      config, (*_runs(chunks, x, gate_x_logits, gate_a_logits), a_param, resets, starts, y),
+      config, (xs, gxs, gas, a_param, resets, starts, y),
       (dys, jnp.stack(run_dh_last, axis=1).reshape(B * chunks, D)))
   back = lambda a: a.reshape(B, T, D)
   return (back(dx), back(dgx), back(dga), d_a_param, jnp.zeros_like(reset),

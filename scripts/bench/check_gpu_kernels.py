@@ -67,16 +67,15 @@ def cases(tiny: bool):
   yield ("block_diagonal", bdm, _block_diagonal_reference,
          [("x", (n, h * i)), ("param", (h, i, j)), ("param", (h, j))])
 
-  def pair(kernel):  # the RG-LRU's two gates with the skip (the model's form), flat outputs
-    def fn(x, w_x, w_a, b_x, b_a):
-      if kernel:
-        skip, ys = block_diagonal.block_diagonal_with_skip(x, (w_x, w_a), (b_x, b_a),
-                                                           interpret=interpret)
-        return (skip, *ys)
-      return (x, _block_diagonal_reference(x, w_x, b_x), _block_diagonal_reference(x, w_a, b_a))
-    return fn
+  def gates(x, w_x, w_a, b_x, b_a):  # the RG-LRU's two gates with the skip, flat outputs
+    skip, ys = block_diagonal.block_diagonal_with_skip(x, (w_x, w_a), (b_x, b_a),
+                                                       interpret=interpret)
+    return (skip, *ys)
 
-  yield ("gates_with_skip", pair(True), pair(False),
+  def gates_reference(x, w_x, w_a, b_x, b_a):
+    return (x, _block_diagonal_reference(x, w_x, b_x), _block_diagonal_reference(x, w_a, b_a))
+
+  yield ("gates_with_skip", gates, gates_reference,
          [("x", (n, h * i))] + [("param", (h, i, j))] * 2 + [("param", (h, j))] * 2)
   n, m = (70, 48) if tiny else (32768, 4608)                  # MQA 400M's MLP, 16 x 2048 rows
   mlp = lambda up, bias: gating.gated_gelu(up, bias, interpret=interpret)
