@@ -139,6 +139,26 @@ def xla_and_kernel_runs(cfg, field, tokens, segment_pos):
                                       segment_pos) for impl in ("xla", "pallas"))
 
 
+def lower_for_cuda(fn, *args) -> str:
+  """``jax.jit(fn)`` traced at ``args`` (arrays or ShapeDtypeStructs) and lowered for CUDA on
+  this CPU machine, as text. jax 0.10 lowers Triton calls without a GPU; jax 0.11's Triton
+  lowering asks for the GPU's kind and finds none here, so the lowering is retried with an
+  abstract H100 named as the target."""
+  import jax  # pylint: disable=g-import-not-at-top
+  lower = lambda: jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  try:
+    return lower()
+  except RuntimeError as e:
+    if "No supported GPU devices found" not in str(e):
+      raise
+  h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                     platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                                   abstract_device=h100)
+  with jax.sharding.use_abstract_mesh(mesh):
+    return lower()
+
+
 def assert_grads_close(got, want, rtol=1e-4, atol=1e-6):
   """Every leaf of the gradient tree ``got`` close to the same leaf of ``want``."""
   import jax  # pylint: disable=g-import-not-at-top

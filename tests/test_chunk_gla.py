@@ -6,6 +6,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+import helpers
+
 from pallas_kernels import dispatch
 from pallas_kernels.gla import chunk_gla, gla_recurrent_step, gla_reference
 from pallas_kernels.gla import gpu as gla_gpu_fact
@@ -63,8 +65,7 @@ def lowered_for_cuda(gla, dtype, dh, with_reset, b=1, t=256, h=2, c=64):
     (o, _), vjp = jax.vjp(lambda *a: gla(c, *a, rc), q, k, v, log_g, s0)
     return o, vjp((do, jnp.zeros_like(s0)))
 
-  return jax.jit(fwd_bwd).trace(x, x, x, g, s0, rc, x).lower(
-      lowering_platforms=("cuda",)).as_text()
+  return helpers.lower_for_cuda(fwd_bwd, x, x, x, g, s0, rc, x)
 
 
 def use_gpu_impl(monkeypatch, impl):
@@ -274,7 +275,6 @@ def test_factorised_kernels_lower_once_for_many_layers():
       q = layer(q)
     return jnp.sum(q.astype(jnp.float32))
 
-  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(x, x, x, x).lower(
-      lowering_platforms=("cuda",)).as_text()
+  text = helpers.lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2, 3)), x, x, x, x)
   # Five kernels (six lowered forms, measured), against 21 when each call lowered on its own.
   assert text.count("@__gpu$xla.gpu.triton") <= 6

@@ -111,5 +111,5 @@ def test_conv1d_backward_lowers_for_a_gpu():
     def fwd_bwd(x, w, b, doc, dy):
       y, vjp = jax.vjp(lambda x, w, b: kernel.causal_conv1d(x, w, b, doc), x, w, b)
       return y, vjp(dy)
-    text = jax.jit(fwd_bwd).trace(x, w, b, doc, x).lower(lowering_platforms=("cuda",)).as_text()
+    text = helpers.lower_for_cuda(fwd_bwd, x, w, b, doc, x)
     assert text.count("@__gpu$xla.gpu.triton") == 1, t

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import helpers
+
 import pallas_kernels
 from pallas_kernels.rg_lru import blocked, gpu_mosaic, reference
 from pallas_kernels.rg_lru.fused import rg_lru_with_config
@@ -268,8 +270,7 @@ def test_rg_lru_fused_lowers_for_a_gpu(monkeypatch):
                                 **fused.gpu_block(batch, 2048))
     def loss(x, p):
       return jnp.sum(rg_lru_with_config(x, x, x, p, reset, h0, config)[0].astype(jnp.float32))
-    text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, jnp.zeros((2048,))).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = helpers.lower_for_cuda(jax.grad(loss, argnums=(0, 1)), x, jnp.zeros((2048,)))
     assert ("mosaic_gpu" in text) == (batch == 16), batch
     assert "@__gpu$xla.gpu.triton" in text
   assert not gpu_mosaic.supports(x, token_rows=(jnp.zeros((16, 62)),))
@@ -279,6 +280,5 @@ def test_rg_lru_fused_lowers_for_a_gpu(monkeypatch):
   config = blocked.ScanConfig(backend="gpu", gpu_forward="mosaic", **fused.gpu_block(16, 2048))
   def chunked_loss(x, p):
     return jnp.sum(fused.rg_lru_chunked(x, x, x, p, reset, h0, config, 4)[0].astype(jnp.float32))
-  text = jax.jit(jax.grad(chunked_loss, argnums=(0, 1))).trace(x, jnp.zeros((2048,))).lower(
-      lowering_platforms=("cuda",)).as_text()
+  text = helpers.lower_for_cuda(jax.grad(chunked_loss, argnums=(0, 1)), x, jnp.zeros((2048,)))
   assert "mosaic_gpu" in text and text.count("@__gpu$xla.gpu.triton") >= 3

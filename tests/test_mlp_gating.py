@@ -87,5 +87,5 @@ def test_gating_backward_lowers_for_a_gpu():
     def fwd_bwd(up, bias, dh):
       h, vjp = jax.vjp(kernel.gated_gelu, up, bias)
       return h, vjp(dh)
-    text = jax.jit(fwd_bwd).trace(up, bias, dh).lower(lowering_platforms=("cuda",)).as_text()
+    text = helpers.lower_for_cuda(fwd_bwd, up, bias, dh)
     assert text.count("@__gpu$xla.gpu.triton") == 1, n
