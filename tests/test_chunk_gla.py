@@ -276,5 +276,6 @@ def test_factorised_kernels_lower_once_for_many_layers():
     return jnp.sum(q.astype(jnp.float32))
 
   text = helpers.lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2, 3)), x, x, x, x)
-  # Five kernels (six lowered forms, measured), against 21 when each call lowered on its own.
-  assert text.count("@__gpu$xla.gpu.triton") <= 6
+  # Five kernels, against 21 lowered forms when each call lowered on its own. Measured: six
+  # lowered forms on jax 0.10.2, ten on 0.11.2 (on an H100 as on the CPU): fixed, not per layer.
+  assert text.count("@__gpu$xla.gpu.triton") <= 10
