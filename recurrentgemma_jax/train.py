@@ -122,6 +122,35 @@ def make_train_step(graphdef, tx, schedule, accum_steps: int):
   return train_step_from_loss(loss_sum, tx, schedule, accum_steps)
 
 
+def cast_once(fn, params, *args):
+  """``params`` with each leaf that ``fn(params, *args)`` reads exactly once, through a cast
+  to a narrower float dtype, cast here instead: the float32 weights a bfloat16 model casts in
+  every call. A gradient-accumulation loop that calls ``fn`` on these casts each weight once a
+  step, not once a micro-batch (with the layout copies XLA fuses into the cast). Exact: the
+  gradient with respect to the cast leaf, converted back, is the gradient of the original.
+  Leaves read any other way (more than once, uncast, inside a remat or scan) stay as they
+  are."""
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, args))
+  jaxpr = jax.make_jaxpr(fn)(abstract[0], *abstract[1]).jaxpr
+  leaves, treedef = jax.tree.flatten(params)
+  uses, casts = {}, {}
+  is_var = lambda v: not hasattr(v, "val")  # a Literal carries its value
+  for eqn in jaxpr.eqns:
+    for v in filter(is_var, eqn.invars):
+      uses[id(v)] = uses.get(id(v), 0) + 1
+    if eqn.primitive.name == "convert_element_type" and is_var(eqn.invars[0]):
+      casts[id(eqn.invars[0])] = jnp.dtype(eqn.params["new_dtype"])
+  returned = {id(v) for v in jaxpr.outvars}
+  out = []
+  for var, leaf in zip(jaxpr.invars[:len(leaves)], leaves):
+    to = casts.get(id(var))
+    narrower = (to is not None and jnp.issubdtype(to, jnp.floating)
+                and jnp.issubdtype(leaf.dtype, jnp.floating) and to.itemsize < leaf.dtype.itemsize)
+    once = uses.get(id(var)) == 1 and id(var) not in returned
+    out.append(leaf.astype(to) if narrower and once else leaf)
+  return treedef.unflatten(out)
+
+
 def train_step_from_loss(loss_sum, tx, schedule, accum_steps: int):
   """``(state, batch) -> (state, metrics)`` from ``loss_sum(params, batch) -> (summed loss,
   token count)``; the batch is split into ``accum_steps`` micro-batches whose gradients are
@@ -137,11 +166,14 @@ def train_step_from_loss(loss_sum, tx, schedule, accum_steps: int):
     micro = jax.tree.map(
         lambda x: x.reshape(-1, accum_steps, *x.shape[1:]).swapaxes(0, 1), batch)
 
+    # The bfloat16 copies of the weights, made once for all micro-batches (``cast_once``).
+    compute_params = cast_once(loss_sum, params, jax.tree.map(lambda x: x[0], micro))
+
     def accumulate(carry, mb):
-      (loss, count), grads = grad_fn(params, mb)
+      (loss, count), grads = grad_fn(compute_params, mb)
       acc_loss, acc_count, acc_grads = carry
       return (acc_loss + loss, acc_count + count,
-              jax.tree.map(jnp.add, acc_grads, grads)), None
+              jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads)), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     (loss, count, grads), _ = jax.lax.scan(accumulate, (0.0, 0.0, zeros), micro)

@@ -174,3 +174,75 @@ def test_the_logit_bound_is_the_models_soft_cap_and_zero_for_other_modules():
   uncapped = model_lib.ModelConfig(**{**cfg.__dict__, "logits_soft_cap": 0.0})
   assert train.logit_bound(model_lib.Model(uncapped, rngs=nnx.Rngs(0))) == 0.0
   assert train.logit_bound(nnx.Linear(2, 3, rngs=nnx.Rngs(0))) == 0.0
+
+
+def test_cast_once_casts_each_weight_read_once_through_a_cast_and_nothing_else():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from recurrentgemma_jax import train
+
+  def fn(p, x):
+    twice = jnp.sum(p["twice"].astype(jnp.bfloat16) * x) + jnp.sum(p["twice"].astype(jnp.bfloat16))
+    return (jnp.sum(p["once"].astype(jnp.bfloat16) * x) + twice + jnp.sum(p["uncast"] * x)
+            + jnp.sum(p["wider"].astype(jnp.float32) * x) + p["count"].astype(jnp.float32))
+
+  params = {"once": jnp.ones(3), "twice": jnp.ones(3), "uncast": jnp.ones(3),
+            "wider": jnp.ones(3, jnp.bfloat16), "count": jnp.ones((), jnp.int32)}
+  out = train.cast_once(fn, params, jnp.ones(3, jnp.bfloat16))
+  assert {k: str(v.dtype) for k, v in out.items()} == {
+      "once": "bfloat16", "twice": "float32", "uncast": "float32", "wider": "bfloat16",
+      "count": "int32"}
+  np.testing.assert_array_equal(np.asarray(out["once"], np.float32), np.ones(3))
+
+
+def test_cast_once_gives_a_bfloat16_griffin_the_same_gradients_bit_for_bit():
+  """The training step's micro-batch loop differentiates with respect to ``cast_once``'s
+  bfloat16 weights: each gradient, converted to float32, equals the gradient through the
+  model's own casts exactly; the weights a bfloat16 Griffin casts once (its Dense kernels and
+  biases, the gates) come out cast, those it reads in float32 or twice (the norms' scales,
+  the RG-LRU's decay, the tied embedding) do not."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from configs import griffin
+  from recurrentgemma_jax import train
+
+  config = griffin.get_config("100m")
+  m = config.model
+  m.width, m.lru_width, m.num_layers, m.num_heads = 32, 32, 3, 2
+  m.mlp_expanded_width, m.num_gate_blocks, m.vocab_size = 96, 2, 64
+  m.dtype, m.remat = "bfloat16", "none"
+  config.batch_size, config.seq_len = 8, 12  # batch: a multiple of the test devices
+  plan = train.setup(config)
+  params = plan.initial_state(config)["params"]
+  rng = np.random.default_rng(3)
+  micro = {"inputs": jnp.asarray(rng.integers(0, 64, (2, 12)), jnp.int32),
+           "targets": jnp.asarray(rng.integers(0, 64, (2, 12)), jnp.int32),
+           "segment_pos": jnp.asarray([list(range(7)) + list(range(5))] * 2, jnp.int32),
+           "loss_mask": jnp.asarray(rng.random((2, 12)) > 0.2, jnp.float32)}
+
+  def loss_sum(p, mb):
+    model = nnx.merge(plan.graphdef, p)
+    logits = model(mb["inputs"], mb["segment_pos"])
+    return train.masked_cross_entropy(logits, mb["targets"], mb["loss_mask"],
+                                      train.logit_bound(model))
+
+  cast = train.cast_once(loss_sum, params, micro)
+  dtypes = {jax.tree_util.keystr(k): str(v.dtype)
+            for k, v in jax.tree_util.tree_flatten_with_path(cast)[0]}
+  assert dtypes["['blocks'][0]['mlp_block']['ffw_up']['w'].value"] == "bfloat16"
+  assert dtypes["['blocks'][0]['recurrent_block']['linear_x']['kernel'].value"] == "bfloat16"
+  assert dtypes["['blocks'][2]['attention_block']['proj_q']['kernel'].value"] == "bfloat16"
+  assert dtypes["['blocks'][0]['recurrent_block']['rg_lru']['a_param'].value"] == "float32"
+  assert dtypes["['blocks'][0]['temporal_pre_norm']['scale'].value"] == "float32"
+  assert dtypes["['embedder']['input_embedding'].value"] == "float32"
+
+  grad = lambda p: jax.grad(lambda q: loss_sum(q, micro)[0])(p)
+  want = jax.tree.leaves(grad(params))
+  got = jax.tree.leaves(grad(cast))
+  for w, g in zip(want, got):
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(g.astype(jnp.float32)))
