@@ -90,7 +90,7 @@ def document_segments(segment_pos: Int[Array, "b t"], max_segments: int):
 
 # The bounds on documents a row of cuDNN's packed segments are compiled for: a batch whose
 # rows have at most 4 documents takes the first, at most 16 the second, more the dense mask.
-# The packed form's cost grows with its bound (docs/performance.md, "attention without a
+# The packed form's cost grows with its bound (docs/bench/performance_log.md, "attention without a
 # dense mask"): 2.4 ms forward + backward at 4 and 3.0 at 16, against 3.6 for the mask, at
 # MQA-400M's layer shape.
 SEGMENT_BOUNDS = (4, 16)

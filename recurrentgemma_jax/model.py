@@ -202,7 +202,7 @@ class ModelConfig:
   @property
   def resolved_norm_impl(self) -> str:
     """``auto``: the Triton backward of ``pallas_kernels.norm`` on GPUs, which adds the skip's
-    gradient in the same pass (docs/performance.md, session 18), else XLA."""
+    gradient in the same pass (docs/bench/performance_log.md, session 18), else XLA."""
     return _kernel_on_gpus(self.norm_impl)
 
   @property

@@ -11,8 +11,8 @@ decoding cache's last inputs); ``layers.Conv1D`` computes with it on every path.
 Autodiff of that sum gave one multi-output XLA fusion per layer that read the output gradient
 and the input at each of the ``W`` shifts and reduced the tap gradients in bfloat16; on an H100
 it took 0.32 ms a layer at Griffin-400M's shape (plus 0.24 ms of follow-up passes) against 0.14 ms
-for its bytes (docs/performance.md, session 15). The backward here is one Triton kernel over
-``[rows, cols]`` tiles of one row ``b``: with ``u = t + s``,
+for its bytes (docs/bench/performance_log.md, session 15). The backward here is one Triton
+kernel over ``[rows, cols]`` tiles of one row ``b``: with ``u = t + s``,
 
     dx[t]        = sum_s w[W-1-s] * dy[u] * [doc[u] == doc[t], u < T]
     dw[W-1-s]   += sum_t x[t] * dy[u] * [doc[u] == doc[t], u < T]

@@ -7,7 +7,7 @@ Autodiff of the jnp form keeps the GeLU's ``tanh`` as a residual (one more ``[N,
 written in the forward and read in the backward), and XLA computes the backward in bfloat16
 with the bias gradients as a reduction over the ``N`` token rows fused into the same pass. On
 an H100 that pass took 0.88 ms a layer at MQA-400M's shape (N = 32768, M = 4608), against
-0.64 ms for its bytes at the copy ceiling (docs/performance.md, session 15).
+0.64 ms for its bytes at the copy ceiling (docs/bench/performance_log.md, session 15).
 
 Here the forward is jnp (XLA fuses it into one pass that writes ``h`` alone) and keeps ``up``
 and ``bias``. The backward is one Triton kernel over tiles of ``[rows, 2, cols]``: it reads
