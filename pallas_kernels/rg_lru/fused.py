@@ -36,8 +36,9 @@ _LN2 = 0.6931471805599453
 # (B=16, T=2048, D=2048) it takes the forward from 0.36 ms (Triton) to 0.222 ms, and forward +
 # backward to 0.706 ms, 76% of the bytes floor (docs/bench/kernels_log.md; 0.693 ms, 77%, in
 # session 20: docs/kernels.md). In session 10 Griffin-400M's training step did not get faster
-# with it (184.3 against 182.9 ms, run-to-run noise then) and its compile grew from 32 s to 95 s; in session 19's same-call A/B the step went from 171.3 to
-# 169.5 ms and compiled in 76 s against 81 s. Its tiles: 128 channels per CUDA block (one per
+# with it (184.3 against 182.9 ms, run-to-run noise then) and its compile grew from 32 s to
+# 95 s; in session 19's same-call A/B the step went from 171.3 to 169.5 ms and compiled in 76 s
+# against 81 s. Its tiles: 128 channels per CUDA block (one per
 # thread of its warpgroup), 32 time rows (the reset flags' float32 tile must be a multiple of 128
 # bytes), 2 stages (a small shared-memory ring lets several blocks share an SM: 0.369 ms with 3
 # stages, 0.241 with 2), rows looped 8 at a time (every row unrolled: 0.222 ms but 14.6 s to
