@@ -109,9 +109,8 @@ def logit_bound(model) -> float:
   return float(getattr(getattr(model, "cfg", None), "logits_soft_cap", 0.0) or 0.0)
 
 
-def make_train_step(graphdef, tx, schedule, accum_steps: int):
-  """``(state, batch) -> (state, metrics)`` for the model ``graphdef``; see
-  ``train_step_from_loss``."""
+def make_loss_sum(graphdef):
+  """``(params, micro) -> (summed loss, token count)`` of the model ``graphdef`` on a batch."""
 
   def loss_sum(params, micro):
     model = nnx.merge(graphdef, params)
@@ -119,7 +118,13 @@ def make_train_step(graphdef, tx, schedule, accum_steps: int):
     return masked_cross_entropy(logits, micro["targets"], micro["loss_mask"],
                                 logit_bound(model))
 
-  return train_step_from_loss(loss_sum, tx, schedule, accum_steps)
+  return loss_sum
+
+
+def make_train_step(graphdef, tx, schedule, accum_steps: int):
+  """``(state, batch) -> (state, metrics)`` for the model ``graphdef``; see
+  ``train_step_from_loss``."""
+  return train_step_from_loss(make_loss_sum(graphdef), tx, schedule, accum_steps)
 
 
 def cast_once(fn, params, *args):
@@ -166,8 +171,10 @@ def train_step_from_loss(loss_sum, tx, schedule, accum_steps: int):
     micro = jax.tree.map(
         lambda x: x.reshape(-1, accum_steps, *x.shape[1:]).swapaxes(0, 1), batch)
 
-    # The bfloat16 copies of the weights, made once for all micro-batches (``cast_once``).
-    compute_params = cast_once(loss_sum, params, jax.tree.map(lambda x: x[0], micro))
+    # The bfloat16 copies of the weights, made once for all micro-batches (``cast_once``; with
+    # one micro-batch each weight is cast once either way).
+    compute_params = (cast_once(loss_sum, params, jax.tree.map(lambda x: x[0], micro))
+                      if accum_steps > 1 else params)
 
     def accumulate(carry, mb):
       (loss, count), grads = grad_fn(compute_params, mb)

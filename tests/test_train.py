@@ -206,7 +206,6 @@ def test_cast_once_gives_a_bfloat16_griffin_the_same_gradients_bit_for_bit():
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from flax import nnx
 
   from configs import griffin
   from recurrentgemma_jax import train
@@ -225,12 +224,7 @@ def test_cast_once_gives_a_bfloat16_griffin_the_same_gradients_bit_for_bit():
            "segment_pos": jnp.asarray([list(range(7)) + list(range(5))] * 2, jnp.int32),
            "loss_mask": jnp.asarray(rng.random((2, 12)) > 0.2, jnp.float32)}
 
-  def loss_sum(p, mb):
-    model = nnx.merge(plan.graphdef, p)
-    logits = model(mb["inputs"], mb["segment_pos"])
-    return train.masked_cross_entropy(logits, mb["targets"], mb["loss_mask"],
-                                      train.logit_bound(model))
-
+  loss_sum = train.make_loss_sum(plan.graphdef)
   cast = train.cast_once(loss_sum, params, micro)
   dtypes = {jax.tree_util.keystr(k): str(v.dtype)
             for k, v in jax.tree_util.tree_flatten_with_path(cast)[0]}
