@@ -119,7 +119,8 @@ def test_resets_match_recurrence():
 # per step takes it on its own), both in one call (max decay 3: chunks of 32 straddle the
 # limit), resets, h0, T not a multiple of the chunk, K != V, T = 1, B and H > 1; column blocks
 # of 16 (SPLIT) over K and V wider than that, with resets; the state kernels with prefetching;
-# GLA 340M's head (K 128, V 256: 64-wide state tiles and 128-wide column blocks by default);
+# GLA 340M's head (K 128, V 256: by default 64-wide state tiles, 128-wide column blocks for o
+# and dv, 64-wide for dq and dk);
 # chunks of 128 (T padded to 3 chunks). Where V fits one V_STEP (every row but the last) the
 # dq/dk kernel reads v and do once for its three products; the last row takes its loop over V
 # in steps narrower than V.
@@ -146,7 +147,8 @@ def test_factorised_kernels_match_recurrence(monkeypatch, shape, chunk, max_deca
     monkeypatch.setattr(gla_gpu_fact, "V_STEP", 16)
   elif split == "default":
     kd, vd = shape[-2:]
-    assert (gla_gpu_fact.state_block(kd, vd), gla_gpu_fact.split(kd, vd)) == (64, 128)
+    assert gla_gpu_fact.state_block(kd, vd) == 64
+    assert [gla_gpu_fact.split(kd, vd, n) for n in ("output", "dv", "dqk")] == [128, 128, 64]
   else:
     monkeypatch.setattr(gla_gpu_fact, "SPLIT", split)
   if limit is not None:

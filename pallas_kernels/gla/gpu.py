@@ -26,8 +26,9 @@ layout as strided [C, X] tiles; states are [B, H, NT, V, K], i.e. S^T):
   dS_n = exp(tot) dS_n+1 + (scale q exp(b))^T do).
 - `_output`: one program per (chunk, block of V columns): o from S_n, q, k, v, g.
 - `_grads`: two kernels, one program per (chunk, block of V columns) for dv and one per
-  (chunk, block of K columns) for dq, dk and the chunk-local reverse cumulative sum of
-  q dq - k dk (d log_g's within-chunk part; XLA adds the later chunks' sums, as in gla_gpu).
+  (chunk, block of K columns) for dq, dk and d log_g: the reverse cumulative sum of
+  q dq - k dk within the chunk plus sum_v S dS for the state leaving it (which stands for the
+  later chunks' sums), so d log_g needs no pass of its own.
 
 b is recomputed from log_g in every kernel (a [C, K] cumulative sum in registers) rather than
 stored. Each kernel function is its own jit, so a many-layer model lowers (and, on jaxlib >
@@ -50,24 +51,27 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gla.reference import token_log_gate_grad
 
 F32 = jnp.float32
 
 # A chunk whose largest total log-decay over K exceeds this takes the exact float32 branch.
 LIMIT = 60.0
 # State tile (rows of V x columns of K) per sequential program (None: by head size,
-# state_block), and warps per program of the per-chunk kernels (None: by tile width, _warps).
-# Set by measurement (docs/kernels.md).
+# state_block). Set by measurement (docs/kernels.md).
 STATE_BLOCK = None
-NUM_WARPS = None
 # The sequential kernels' loop: Triton's own software pipelining (num_stages; 3 measured best,
 # docs/kernels.md) or tiles of chunk n + 1 loaded by hand before chunk n's arithmetic.
 STATE_STAGES = 3
 STATE_PREFETCH = False
-# Column block of the per-chunk kernels: V for o and dv, K for dq and dk (wider heads get more
-# programs per chunk, each recomputing the chunk attention it needs). None: by head size, split.
+# The per-chunk kernels ("output", "dv", "dqk"): column block (V for o and dv, K for dq and
+# dk; wider heads get more programs per chunk, each recomputing the chunk attention it needs)
+# and warps per program. None: by head size (split, _warps). SPLIT and NUM_WARPS set all three
+# kernels, KERNEL_SPLIT and KERNEL_WARPS one (benchmarks and tests).
 SPLIT = None
+NUM_WARPS = None
+KERNEL_SPLIT = {}
+KERNEL_WARPS = {}
+PER_CHUNK = ("output", "dv", "dqk")
 
 
 def state_block(kd: int, vd: int) -> int:
@@ -78,10 +82,17 @@ def state_block(kd: int, vd: int) -> int:
   return STATE_BLOCK or (64 if min(kd, vd) >= 128 else 32)
 
 
-def split(kd: int, vd: int) -> int:
-  """The per-chunk kernels' column block: 64, or 128 for heads 256 wide or more (GLA 340M's V:
-  fwd+bwd 2.03 -> 1.89 ms with 64-wide state tiles; at 128 it is slower, 1.28 -> 1.33)."""
-  return SPLIT or (128 if max(kd, vd) >= 256 else 64)
+def split(kd: int, vd: int, kernel: str) -> int:
+  """A per-chunk kernel's column block. o and dv: 128, so the whole V up to 128 columns (one
+  program per chunk computes the chunk's attention once: at K = V = 128 the output kernel took
+  0.200 -> 0.159 ms and dv 0.208 -> 0.150 against 64-wide blocks, H100, 2026-11-26). dq and
+  dk: 64 (with 128 at K = V = 128 the dq/dk kernel took 0.362 -> 0.692 ms; at GLA 340M's
+  K 128, V 256 fwd+bwd 1.95 -> 1.69 ms against 128)."""
+  if kernel not in PER_CHUNK:
+    raise ValueError(f"kernel must be one of {PER_CHUNK}, got {kernel!r}")
+  if KERNEL_SPLIT.get(kernel) or SPLIT:
+    return KERNEL_SPLIT.get(kernel) or SPLIT
+  return 64 if kernel == "dqk" else 128
 
 
 # The largest head (K x V) whose tiles fit in an H100's shared memory, 16-bit inputs only:
@@ -228,11 +239,13 @@ def _masked(x, mask):
 
 
 def _states_kernel(*refs, c, nt, reverse, scale, has_resets, prefetch):
-  if has_resets:
-    x_ref, y_ref, g_ref, rc_ref, init_ref, st_ref, last_ref = refs
+  refs = list(refs)
+  x_ref, y_ref, g_ref = refs[:3]
+  rc_ref = refs.pop(3) if has_resets else None
+  if reverse:  # also the forward's states, and d log_g's part from the later chunks
+    init_ref, fst_ref, st_ref, last_ref, later_ref = refs[3:]
   else:
-    x_ref, y_ref, g_ref, init_ref, st_ref, last_ref = refs
-    rc_ref = None
+    init_ref, st_ref, last_ref = refs[3:]
   dt = x_ref.dtype
   chunk_of = lambda i: nt - 1 - i if reverse else i
 
@@ -254,6 +267,8 @@ def _states_kernel(*refs, c, nt, reverse, scale, has_resets, prefetch):
       x = jnp.where(sees_state if reverse else reaches_end, x, 0.0)
       decay = jnp.where(passes_on, decay, 0.0)
     st_ref[n] = st.astype(st_ref.dtype)
+    if reverse:  # sum_v S_n dS_n, S_n entering chunk n, dS_n the gradient of the one leaving
+      later_ref[n] = jnp.sum(fst_ref[n].astype(F32) * st, axis=0)  # [BK]
     return st * decay + _dot(y, x, (0, 0), dt)                      # [BV, BK]
 
   if prefetch:  # the next chunk's tiles are loaded before this chunk's arithmetic
@@ -276,16 +291,19 @@ _kernel_jit = functools.partial(jax.jit, static_argnames=("c", "scale", "interpr
 
 
 def _knobs():
-  return (LIMIT, SPLIT, STATE_BLOCK, STATE_STAGES, STATE_PREFETCH, NUM_WARPS, V_STEP)
+  return (LIMIT, SPLIT, STATE_BLOCK, STATE_STAGES, STATE_PREFETCH, NUM_WARPS, V_STEP,
+          tuple(sorted(KERNEL_SPLIT.items())), tuple(sorted(KERNEL_WARPS.items())))
 
 
 @functools.partial(jax.jit, static_argnames=("c", "reverse", "scale", "interpret", "knobs"))
-def _states(x, y, g, rc, init, *, c, reverse, scale, interpret, knobs):
+def _states(x, y, g, rc, init, fwd=None, *, c, reverse, scale, interpret, knobs):
   """Per-chunk states [B, H, NT, V, K] (x's dtype) and the final one [B, H, V, K] float32.
 
   Forward (x = k, y = v, init = S_0^T): entry n is S_n^T, the state entering chunk n.
-  Reverse (x = q, y = do, init = dS^T at the end): entry n is the gradient of the state leaving
-  chunk n; the final one is dS_0^T.
+  Reverse (x = q, y = do, init = dS^T at the end, fwd = the forward's states): entry n is the
+  gradient dS_n of the state leaving chunk n; the final one is dS_0^T; and a third output
+  [B, H, NT, V / BV, K] float32, sum_v S_n dS_n (S_n entering chunk n), one row per block of
+  V rows, for _dqk_kernel's d log_g.
   """
   del knobs  # a cache key (see _knobs)
   bsz, tp, h, kd = x.shape
@@ -304,14 +322,23 @@ def _states(x, y, g, rc, init, *, c, reverse, scale, interpret, knobs):
     args.append(rc.reshape(bsz, tp, 1))
   kernel = functools.partial(_states_kernel, c=c, nt=nt, reverse=reverse, scale=scale,
                              has_resets=rc is not None, prefetch=STATE_PREFETCH)
+  states = pl.BlockSpec((None, None, nt, bv, bk), lambda i, j, s: (i, j, 0, vcol(s), kcol(s)))
+  in_specs.append(tile)
+  args.append(init)
+  out_specs = [states, tile]
+  out_shape = [jax.ShapeDtypeStruct((bsz, h, nt, vd, kd), x.dtype),
+               jax.ShapeDtypeStruct((bsz, h, vd, kd), F32)]
+  if reverse:
+    in_specs.append(states)
+    args.append(fwd)
+    out_specs.append(pl.BlockSpec((None, None, nt, None, bk),
+                                  lambda i, j, s: (i, j, 0, vcol(s), kcol(s))))
+    out_shape.append(jax.ShapeDtypeStruct((bsz, h, nt, vd // bv, kd), F32))
   return pl.pallas_call(
-      kernel, grid=(bsz, h, (vd // bv) * nk), in_specs=in_specs + [tile],
-      out_specs=[pl.BlockSpec((None, None, nt, bv, bk),
-                              lambda i, j, s: (i, j, 0, vcol(s), kcol(s))), tile],
-      out_shape=[jax.ShapeDtypeStruct((bsz, h, nt, vd, kd), x.dtype),
-                 jax.ShapeDtypeStruct((bsz, h, vd, kd), F32)],
+      kernel, grid=(bsz, h, (vd // bv) * nk), in_specs=in_specs,
+      out_specs=out_specs, out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=STATE_STAGES),
-      interpret=interpret)(*args, init)
+      interpret=interpret)(*args)
 
 
 # --- the per-chunk kernels ----------------------------------------------------------------
@@ -347,20 +374,21 @@ class _Specs:
     return [self.rc.reshape(bsz, tp, 1), self.rc.reshape(bsz, tp // self.c, 1, self.c)]
 
 
-def _call(kernel, specs, grid, in_specs, out_specs, out_shape, width, interpret, *args, **kw):
+def _call(name, kernel, specs, grid, in_specs, out_specs, out_shape, width, interpret, *args,
+          **kw):
   kernel = functools.partial(kernel, c=specs.c, has_resets=specs.rc is not None, **kw)
   return pl.pallas_call(
       kernel, grid=grid, in_specs=in_specs + specs.resets(), out_specs=out_specs,
       out_shape=out_shape,
-      compiler_params=plgpu.CompilerParams(num_warps=_warps(width), num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=_warps(name, width), num_stages=1),
       interpret=interpret)(*args, *specs.reset_args())
 
 
-def _warps(width):
+def _warps(kernel, width):
   """Warps of a per-chunk program whose widest tile is ``width`` columns: 4 up to 128 (8, as
   before, was slower at K = V = 128: fwd+bwd 1.29 -> 1.11 ms at 8, 2048, 8, 128), else 8 (4
   spills at GLA 340M's 256-wide V: 1.92 -> 2.85 ms)."""
-  return NUM_WARPS or (4 if width <= 128 else 8)
+  return KERNEL_WARPS.get(kernel) or NUM_WARPS or (4 if width <= 128 else 8)
 
 
 def _split_refs(refs, n_in, has_resets):
@@ -388,9 +416,9 @@ def _output(q, k, v, g, rc, st, *, scale, c, interpret, knobs):
   del knobs  # a cache key (see _knobs)
   bsz, tp, h, kd = q.shape
   vd = v.shape[-1]
-  bv = min(vd, split(kd, vd))
+  bv = min(vd, split(kd, vd, "output"))
   sp = _Specs(c, rc)
-  return _call(_output_kernel, sp, (bsz, h, tp // c, vd // bv),
+  return _call("output", _output_kernel, sp, (bsz, h, tp // c, vd // bv),
                [sp.tok(kd), sp.tok(kd), sp.tok(bv, True), sp.tok(kd), sp.state(bv, kd, True)],
                sp.tok(bv, True), jax.ShapeDtypeStruct((bsz, tp, h, vd), q.dtype),
                max(kd, bv), interpret, q, k, v, g, st, scale=scale)
@@ -432,8 +460,8 @@ def _columns(ref):
 
 
 def _dqk_kernel(*refs, scale, c, has_resets):
-  (q_ref, k_ref, v_ref, g_ref, do_ref, st_ref, dst_ref), (rc_ref, rr_ref), (
-      dq_ref, dk_ref, within_ref) = _split_refs(refs, 7, has_resets)
+  (q_ref, k_ref, v_ref, g_ref, do_ref, st_ref, dst_ref, later_ref), (rc_ref, rr_ref), (
+      dq_ref, dk_ref, dg_ref) = _split_refs(refs, 8, has_resets)
   dt = q_ref.dtype
   keep, sees_state, reaches_end = _masks(rc_ref, rr_ref, c)
   q = q_ref[...].astype(F32)
@@ -453,35 +481,46 @@ def _dqk_kernel(*refs, scale, c, has_resets):
   x += qs * dqs_in - k * dk_out                                     # q dq - k dk: dL/d(b)
   dq_ref[...] = dq.astype(dq_ref.dtype)
   dk_ref[...] = dk.astype(dk_ref.dtype)
-  # Reverse cumulative sum within the chunk (the lowering has only the forward one).
-  within_ref[...] = jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x
+  # d log_g_t: the sum of x over the chunk from t on (total minus forward cumulative sum: the
+  # lowering has only the forward one), plus d log_g at the next chunk's first token, which
+  # comes from the later chunks. That gate scales the state S leaving this chunk wherever
+  # they use it, so it is sum_v S dS, with dS (dst) that state's gradient and
+  # S = exp(tot) S_n + (k exp(tot - b))^T v: exp(tot) sum_v S_n dS (later_ref, summed over
+  # its blocks of V by the reverse state kernel) + sum_t k dk_out (dk_out = exp(tot - b) v dS).
+  decay = jnp.exp(tot)
+  if rc_ref is not None:
+    decay = jnp.where(_reset_masks(rc_ref[...])[2], decay, 0.0)
+  later = (decay * jnp.sum(later_ref[...], axis=0, keepdims=True)
+           + jnp.sum(k * dk_out, axis=0, keepdims=True))             # [1, BK]
+  dg_ref[...] = (jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x
+                 + later).astype(dg_ref.dtype)
 
 
 @_kernel_jit
-def _grads(q, k, v, g, do, rc, st, dst, *, scale, c, interpret, knobs):
-  """(dq, dk, dv, within-chunk reverse sums of q dq - k dk): two kernels, dv per (chunk, block
-  of V columns) and the rest per (chunk, block of K columns); each recomputes what it needs.
+def _grads(q, k, v, g, do, rc, st, dst, later, *, scale, c, interpret, knobs):
+  """(dq, dk, dv, d log_g): two kernels, dv per (chunk, block of V columns) and the rest per
+  (chunk, block of K columns); each recomputes what it needs.
   (st, dst: [B, H, NT, V, K], S_n^T and the gradient of the leaving state, transposed.)"""
   del knobs  # a cache key (see _knobs)
   bsz, tp, h, kd = q.shape
   vd = v.shape[-1]
-  block = split(kd, vd)
-  bv, bk = min(vd, block), min(kd, block)
+  bv, bk = min(vd, split(kd, vd, "dv")), min(kd, split(kd, vd, "dqk"))
   sp = _Specs(c, rc)
   nt = tp // c
-  dv = _call(_dv_kernel, sp, (bsz, h, nt, vd // bv),
+  dv = _call("dv", _dv_kernel, sp, (bsz, h, nt, vd // bv),
              [sp.tok(kd), sp.tok(kd), sp.tok(kd), sp.tok(bv, True), sp.state(bv, kd, True)],
              sp.tok(bv, True), jax.ShapeDtypeStruct(v.shape, v.dtype), max(kd, bv),
              interpret, q, k, g, do, dst, scale=scale)
-  dq, dk, within = _call(
-      _dqk_kernel, sp, (bsz, h, nt, kd // bk),
+  dq, dk, dg = _call(
+      "dqk", _dqk_kernel, sp, (bsz, h, nt, kd // bk),
       [sp.tok(bk, True), sp.tok(bk, True), sp.tok(vd), sp.tok(bk, True), sp.tok(vd),
-       sp.state(vd, bk, blocked_cols=True), sp.state(vd, bk, blocked_cols=True)],
+       sp.state(vd, bk, blocked_cols=True), sp.state(vd, bk, blocked_cols=True),
+       sp.state(later.shape[3], bk, blocked_cols=True)],
       [sp.tok(bk, True)] * 3,
       [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-       jax.ShapeDtypeStruct(q.shape, F32)], max(bk, vd), interpret,
-      q, k, v, g, do, st, dst, scale=scale)
-  return dq, dk, dv, within
+       jax.ShapeDtypeStruct(g.shape, g.dtype)], max(bk, vd), interpret,
+      q, k, v, g, do, st, dst, later, scale=scale)
+  return dq, dk, dv, dg
 
 
 # --- the function -------------------------------------------------------------------------
@@ -502,18 +541,18 @@ def _fwd(scale, c, interpret, q, k, v, g, s0, rc):
   st, last = _states(k, v, g, rc, jnp.swapaxes(s0, -1, -2), reverse=False, **kw)
   o = _output(q, k, v, g, rc, st, **kw)
   s_last = jnp.swapaxes(last, -1, -2)
-  return (o, s_last), (q, k, v, g, s0, rc, st, s_last)
+  return (o, s_last), (q, k, v, g, s0, rc, st)
 
 
 def _bwd(scale, c, interpret, res, cts):
-  q, k, v, g, s0, rc, st, s_last = res
+  q, k, v, g, s0, rc, st = res
   do, ds_last = cts
   kw = dict(c=c, scale=scale, interpret=interpret, knobs=_knobs())
   do = do.astype(q.dtype)
   ds_last = ds_last.astype(F32)
-  dst, ds0 = _states(q, do, g, rc, jnp.swapaxes(ds_last, -1, -2), reverse=True, **kw)
-  dq, dk, dv, within = _grads(q, k, v, g, do, rc, st, dst, **kw)
-  dlog_g = token_log_gate_grad(within, c, ds_last, s_last)
+  dst, ds0, later = _states(q, do, g, rc, jnp.swapaxes(ds_last, -1, -2), st, reverse=True,
+                            **kw)
+  dq, dk, dv, dlog_g = _grads(q, k, v, g, do, rc, st, dst, later, **kw)
   return (dq, dk, dv, dlog_g.astype(g.dtype), jnp.swapaxes(ds0, -1, -2).astype(s0.dtype), None)
 
 

@@ -120,6 +120,8 @@ def set_variant(variant):
   - sbN: N-wide state tiles; stN: N pipeline stages in the state kernels; pf: the state
     kernels' next tiles prefetched by hand;
   - spN: N-wide column blocks of the per-chunk kernels;
+  - spoN, spvN, spqN, woN, wvN, wqN: the same for one per-chunk kernel (o: output, v: dv,
+    q: dq and dk);
   - cN: chunks of N tokens (chunk_gla's chunk_size, 64 otherwise; for both "fact" and "xla").
 
   Options timed and dropped (V_ONCE, now the code; STATE_UNROLL, DQK_WARPS, EXACT_APART) are in
@@ -132,6 +134,8 @@ def set_variant(variant):
   dispatch.GLA_GPU_IMPL = name
   fact = gla_gpu_fact
   fact.NUM_WARPS = fact.STATE_BLOCK = fact.SPLIT = None
+  fact.KERNEL_SPLIT, fact.KERNEL_WARPS = {}, {}
+  per_kernel = {"o": "output", "v": "dv", "q": "dqk"}
   fact.STATE_PREFETCH = False
   fact.STATE_STAGES, CHUNK = 3, 64
   numeric = {"w": "NUM_WARPS", "sb": "STATE_BLOCK", "st": "STATE_STAGES", "sp": "SPLIT"}
@@ -140,6 +144,9 @@ def set_variant(variant):
     key = opt.rstrip("0123456789")
     if opt.startswith("c") and opt[1:].isdigit():
       CHUNK = int(opt[1:])
+    elif name == "fact" and key[:-1] in ("sp", "w") and key[-1] in per_kernel and opt != key:
+      table = fact.KERNEL_SPLIT if key.startswith("sp") else fact.KERNEL_WARPS
+      table[per_kernel[key[-1]]] = int(opt[len(key):])
     elif name == "fact" and key in numeric and opt != key:
       setattr(fact, numeric[key], int(opt[len(key):]))
     elif name == "fact" and opt in flags:
