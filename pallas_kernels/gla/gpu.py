@@ -243,7 +243,7 @@ def _states_kernel(*refs, c, nt, reverse, scale, has_resets, prefetch):
   x_ref, y_ref, g_ref = refs[:3]
   rc_ref = refs.pop(3) if has_resets else None
   if reverse:  # also the forward's states, and d log_g's part from the later chunks
-    init_ref, fst_ref, st_ref, last_ref, later_ref = refs[3:]
+    init_ref, fst_ref, flast_ref, st_ref, last_ref, later_ref = refs[3:]
   else:
     init_ref, st_ref, last_ref = refs[3:]
   dt = x_ref.dtype
@@ -267,8 +267,14 @@ def _states_kernel(*refs, c, nt, reverse, scale, has_resets, prefetch):
       x = jnp.where(sees_state if reverse else reaches_end, x, 0.0)
       decay = jnp.where(passes_on, decay, 0.0)
     st_ref[n] = st.astype(st_ref.dtype)
-    if reverse:  # sum_v S_n dS_n, S_n entering chunk n, dS_n the gradient of the one leaving
-      later_ref[n] = jnp.sum(fst_ref[n].astype(F32) * st, axis=0)  # [BK]
+    if reverse:
+      # The state leaving chunk n (the forward's entering n + 1, or its final state) times its
+      # gradient st, summed over V: d log_g at chunk n + 1's first token, the part of every
+      # d log_g in chunk n that comes from the later chunks (_dqk_kernel adds it). That gate
+      # scales this state wherever the later chunks use it.
+      leaving = jnp.where(n == nt - 1, flast_ref[...],
+                          fst_ref[jnp.minimum(n + 1, nt - 1)].astype(F32))
+      later_ref[n] = jnp.sum(leaving * st, axis=0)                 # [BK]
     return st * decay + _dot(y, x, (0, 0), dt)                      # [BV, BK]
 
   if prefetch:  # the next chunk's tiles are loaded before this chunk's arithmetic
@@ -300,10 +306,10 @@ def _states(x, y, g, rc, init, fwd=None, *, c, reverse, scale, interpret, knobs)
   """Per-chunk states [B, H, NT, V, K] (x's dtype) and the final one [B, H, V, K] float32.
 
   Forward (x = k, y = v, init = S_0^T): entry n is S_n^T, the state entering chunk n.
-  Reverse (x = q, y = do, init = dS^T at the end, fwd = the forward's states): entry n is the
-  gradient dS_n of the state leaving chunk n; the final one is dS_0^T; and a third output
-  [B, H, NT, V / BV, K] float32, sum_v S_n dS_n (S_n entering chunk n), one row per block of
-  V rows, for _dqk_kernel's d log_g.
+  Reverse (x = q, y = do, init = dS^T at the end, fwd = the forward's two outputs): entry n is
+  the gradient dS_n of the state leaving chunk n; the final one is dS_0^T; and a third output
+  [B, H, NT, V / BV, K] float32, sum_v S dS_n with S the state leaving chunk n, one row per
+  block of V rows: d log_g's part from the later chunks (_dqk_kernel adds the rows up).
   """
   del knobs  # a cache key (see _knobs)
   bsz, tp, h, kd = x.shape
@@ -329,8 +335,8 @@ def _states(x, y, g, rc, init, fwd=None, *, c, reverse, scale, interpret, knobs)
   out_shape = [jax.ShapeDtypeStruct((bsz, h, nt, vd, kd), x.dtype),
                jax.ShapeDtypeStruct((bsz, h, vd, kd), F32)]
   if reverse:
-    in_specs.append(states)
-    args.append(fwd)
+    in_specs += [states, tile]
+    args += list(fwd)
     out_specs.append(pl.BlockSpec((None, None, nt, None, bk),
                                   lambda i, j, s: (i, j, 0, vcol(s), kcol(s))))
     out_shape.append(jax.ShapeDtypeStruct((bsz, h, nt, vd // bv, kd), F32))
@@ -482,16 +488,11 @@ def _dqk_kernel(*refs, scale, c, has_resets):
   dq_ref[...] = dq.astype(dq_ref.dtype)
   dk_ref[...] = dk.astype(dk_ref.dtype)
   # d log_g_t: the sum of x over the chunk from t on (total minus forward cumulative sum: the
-  # lowering has only the forward one), plus d log_g at the next chunk's first token, which
-  # comes from the later chunks. That gate scales the state S leaving this chunk wherever
-  # they use it, so it is sum_v S dS, with dS (dst) that state's gradient and
-  # S = exp(tot) S_n + (k exp(tot - b))^T v: exp(tot) sum_v S_n dS (later_ref, summed over
-  # its blocks of V by the reverse state kernel) + sum_t k dk_out (dk_out = exp(tot - b) v dS).
-  decay = jnp.exp(tot)
-  if rc_ref is not None:
-    decay = jnp.where(_reset_masks(rc_ref[...])[2], decay, 0.0)
-  later = (decay * jnp.sum(later_ref[...], axis=0, keepdims=True)
-           + jnp.sum(k * dk_out, axis=0, keepdims=True))             # [1, BK]
+  # lowering has only the forward one), plus d log_g at the next chunk's first token: the
+  # later chunks' part, sum_v S dS of the state leaving this chunk (the reverse state kernel
+  # gives it per block of V rows). Computing it here instead cost more registers than it saved
+  # (docs/kernels.md).
+  later = jnp.sum(later_ref[...], axis=0, keepdims=True)            # [1, BK]
   dg_ref[...] = (jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x
                  + later).astype(dg_ref.dtype)
 
@@ -541,17 +542,17 @@ def _fwd(scale, c, interpret, q, k, v, g, s0, rc):
   st, last = _states(k, v, g, rc, jnp.swapaxes(s0, -1, -2), reverse=False, **kw)
   o = _output(q, k, v, g, rc, st, **kw)
   s_last = jnp.swapaxes(last, -1, -2)
-  return (o, s_last), (q, k, v, g, s0, rc, st)
+  return (o, s_last), (q, k, v, g, s0, rc, st, last)
 
 
 def _bwd(scale, c, interpret, res, cts):
-  q, k, v, g, s0, rc, st = res
+  q, k, v, g, s0, rc, st, last = res
   do, ds_last = cts
   kw = dict(c=c, scale=scale, interpret=interpret, knobs=_knobs())
   do = do.astype(q.dtype)
   ds_last = ds_last.astype(F32)
-  dst, ds0, later = _states(q, do, g, rc, jnp.swapaxes(ds_last, -1, -2), st, reverse=True,
-                            **kw)
+  dst, ds0, later = _states(q, do, g, rc, jnp.swapaxes(ds_last, -1, -2), (st, last),
+                            reverse=True, **kw)
   dq, dk, dv, dlog_g = _grads(q, k, v, g, do, rc, st, dst, later, **kw)
   return (dq, dk, dv, dlog_g.astype(g.dtype), jnp.swapaxes(ds0, -1, -2).astype(s0.dtype), None)
 
