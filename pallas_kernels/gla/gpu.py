@@ -254,7 +254,8 @@ def _states_kernel(*refs, c, nt, reverse, scale, has_resets, prefetch):
     return (x_ref[rows, :], y_ref[rows, :], g_ref[rows, :],
             None if rc_ref is None else rc_ref[rows, :])
 
-  def update(st, n, tiles):
+  def update(carry, n, tiles):
+    st, leaving = carry if reverse else (carry, None)
     x, y, g, rc = tiles
     b, tot = _gates(g)
     decay = jnp.exp(tot)                                            # [1, BK]
@@ -267,25 +268,27 @@ def _states_kernel(*refs, c, nt, reverse, scale, has_resets, prefetch):
       x = jnp.where(sees_state if reverse else reaches_end, x, 0.0)
       decay = jnp.where(passes_on, decay, 0.0)
     st_ref[n] = st.astype(st_ref.dtype)
-    if reverse:
-      # The state leaving chunk n (the forward's entering n + 1, or its final state) times its
-      # gradient st, summed over V: d log_g at chunk n + 1's first token, the part of every
-      # d log_g in chunk n that comes from the later chunks (_dqk_kernel adds it). That gate
-      # scales this state wherever the later chunks use it.
-      leaving = jnp.where(n == nt - 1, flast_ref[...],
-                          fst_ref[jnp.minimum(n + 1, nt - 1)].astype(F32))
-      later_ref[n] = jnp.sum(leaving * st, axis=0)                 # [BK]
-    return st * decay + _dot(y, x, (0, 0), dt)                      # [BV, BK]
+    st = st * decay + _dot(y, x, (0, 0), dt)                        # [BV, BK]
+    if not reverse:
+      return st
+    # The state leaving chunk n times its gradient (the carry's st), summed over V: d log_g at
+    # chunk n + 1's first token, the part of every d log_g in chunk n that comes from the
+    # later chunks (_dqk_kernel adds it); that gate scales this state wherever the later chunks
+    # use it. The state leaving chunk n is the one entering n + 1, loaded in the step before
+    # (the forward's final state in the first step).
+    later_ref[n] = jnp.sum(leaving * carry[0], axis=0)              # [BK]
+    return st, fst_ref[n].astype(F32)
 
+  init = (init_ref[...], flast_ref[...]) if reverse else init_ref[...]
   if prefetch:  # the next chunk's tiles are loaded before this chunk's arithmetic
     def body(i, carry):
-      st, tiles = carry
+      carry, tiles = carry
       nxt = load(i + 1)
-      return update(st, chunk_of(i), tiles), nxt
-    last, _ = lax.fori_loop(0, nt, body, (init_ref[...], load(0)))
+      return update(carry, chunk_of(i), tiles), nxt
+    last, _ = lax.fori_loop(0, nt, body, (init, load(0)))
   else:
-    last = lax.fori_loop(0, nt, lambda i, st: update(st, chunk_of(i), load(i)), init_ref[...])
-  last_ref[...] = last
+    last = lax.fori_loop(0, nt, lambda i, carry: update(carry, chunk_of(i), load(i)), init)
+  last_ref[...] = last[0] if reverse else last
 
 
 # Each kernel function is its own jit: a model calls it once per layer with the same shapes, and
