@@ -119,7 +119,7 @@ def test_resets_match_recurrence():
 # per step takes it on its own), both in one call (max decay 3: chunks of 32 straddle the
 # limit), resets, h0, T not a multiple of the chunk, K != V, T = 1, B and H > 1; column blocks
 # of 16 (SPLIT) over K and V wider than that, with resets; the state kernels with prefetching;
-# GLA 340M's head (K 128, V 256: by default 64-wide state tiles, 128-wide column blocks for o
+# GLA 340M's head (K 128, V 256: by default 128 x 64 state tiles, 128-wide column blocks for o
 # and dv, 64-wide for dq and dk);
 # chunks of 128 (T padded to 3 chunks). Where V fits one V_STEP (every row but the last) the
 # dq/dk kernel reads v and do once for its three products; the last row takes its loop over V
@@ -147,7 +147,15 @@ def test_factorised_kernels_match_recurrence(monkeypatch, shape, chunk, max_deca
     monkeypatch.setattr(gla_gpu_fact, "V_STEP", 16)
   elif split == "default":
     kd, vd = shape[-2:]
-    assert gla_gpu_fact.state_block(kd, vd) == 64
+    # The state tile: the largest of 128 x 64, 64 x 64, 32 x 32 that keeps MIN_PROGRAMS (128)
+    # programs in the grid; here with one (row, head) pair the default grid would take 32 x 32,
+    # so MIN_PROGRAMS = 1 lets this row run the 128 x 64 tiles of GLA 340M's training shape.
+    block = gla_gpu_fact.state_block
+    assert block(kd, vd, 64) == (128, 64) and block(kd, vd, 1) == (32, 32)
+    assert block(64, 64, 128) == (64, 64) and block(64, 64, 32) == (32, 32)
+    assert block(128, 128, 64) == (128, 64) and block(128, 128, 32) == (64, 64)
+    monkeypatch.setattr(gla_gpu_fact, "MIN_PROGRAMS", 1)
+    assert block(kd, vd, 1) == (128, 64)
     assert [gla_gpu_fact.split(kd, vd, n) for n in ("output", "dv", "dqk")] == [128, 128, 64]
   else:
     monkeypatch.setattr(gla_gpu_fact, "SPLIT", split)

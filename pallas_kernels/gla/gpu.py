@@ -56,9 +56,14 @@ F32 = jnp.float32
 
 # A chunk whose largest total log-decay over K exceeds this takes the exact float32 branch.
 LIMIT = 60.0
-# State tile (rows of V x columns of K) per sequential program (None: by head size,
-# state_block). Set by measurement (docs/kernels.md).
+# State tile per sequential program: columns of K (and rows of V unless STATE_ROWS is set), and
+# warps per program. None: by head size and grid (state_block, state_warps). Set by
+# measurement (docs/kernels.md).
 STATE_BLOCK = None
+STATE_ROWS = None
+STATE_WARPS = None
+# Programs the state kernels' grid should have at least (an H100 has 132 SMs).
+MIN_PROGRAMS = 128
 # The sequential kernels' loop: Triton's own software pipelining (num_stages; 3 measured best,
 # docs/kernels.md) or tiles of chunk n + 1 loaded by hand before chunk n's arithmetic.
 STATE_STAGES = 3
@@ -74,12 +79,30 @@ KERNEL_WARPS = {}
 PER_CHUNK = ("output", "dv", "dqk")
 
 
-def state_block(kd: int, vd: int) -> int:
-  """The state kernels' square tile: 32 (H100: best for 64-wide heads), 64 once both K and V
-  are 128 or more (there 32-wide tiles re-read each chunk's keys and values 4-8 times:
-  fwd+bwd 1.51 -> 1.28 ms at B, T, H, D = 8, 2048, 8, 128; 2.54 -> 2.03 at GLA 340M's
-  16, 2048, 4, K 128, V 256)."""
-  return STATE_BLOCK or (64 if min(kd, vd) >= 128 else 32)
+def state_block(kd: int, vd: int, pairs: int) -> tuple[int, int]:
+  """The state kernels' tile (rows of V, columns of K) for `pairs` (batch row, head) pairs:
+  the largest of 128 x 64, 64 x 64 and 32 x 32 (each capped at V x K) that still gives the grid
+  at least MIN_PROGRAMS programs, else 32 x 32. A program reads the key (or query) and gate
+  columns of its tile once per block of V rows and the value (or do) columns once per block of
+  K columns, so larger tiles read less, but each program walks every chunk in turn, so fewer
+  programs than SMs leave the GPU idle. H100, fwd+bwd: (8, 2048, 8, 128) 0.937 -> 0.907 ms with
+  128 x 64 against 64 x 64; (8, 2048, 16, 64) 0.86 -> 0.76 with 64 x 64 against 32 x 32; GLA
+  340M's (16, 2048, 4, K 128, V 256) 1.62 -> 1.49 with 128 x 64 (docs/kernels.md)."""
+  if STATE_BLOCK or STATE_ROWS:
+    bk = STATE_BLOCK or 64
+    return min(vd, STATE_ROWS or bk), min(kd, bk)
+  for bv, bk in ((128, 64), (64, 64), (32, 32)):
+    bv, bk = min(vd, bv), min(kd, bk)
+    if pairs * (vd // bv) * (kd // bk) >= MIN_PROGRAMS:
+      return bv, bk
+  return min(vd, 32), min(kd, 32)
+
+
+def state_warps(bv: int, bk: int, programs: int) -> int:
+  """8 warps for a tile above 64 x 64 in a grid of under 2 * MIN_PROGRAMS programs, else 4
+  (at 128 x 64: (8, 2048, 8, 128), 128 programs, 0.925 -> 0.907 ms with 8; GLA 340M's
+  shape, 256 programs, 1.61 -> 1.49 with 4)."""
+  return STATE_WARPS or (8 if bv * bk > 64 * 64 and programs < 2 * MIN_PROGRAMS else 4)
 
 
 def split(kd: int, vd: int, kernel: str) -> int:
@@ -300,7 +323,8 @@ _kernel_jit = functools.partial(jax.jit, static_argnames=("c", "scale", "interpr
 
 
 def _knobs():
-  return (LIMIT, SPLIT, STATE_BLOCK, STATE_STAGES, STATE_PREFETCH, NUM_WARPS, V_STEP,
+  return (LIMIT, SPLIT, STATE_BLOCK, STATE_ROWS, STATE_WARPS, STATE_STAGES, STATE_PREFETCH,
+          NUM_WARPS, V_STEP,
           tuple(sorted(KERNEL_SPLIT.items())), tuple(sorted(KERNEL_WARPS.items())))
 
 
@@ -318,8 +342,7 @@ def _states(x, y, g, rc, init, fwd=None, *, c, reverse, scale, interpret, knobs)
   bsz, tp, h, kd = x.shape
   vd = y.shape[-1]
   nt = tp // c
-  width = state_block(kd, vd)
-  bv, bk = min(vd, width), min(kd, width)
+  bv, bk = state_block(kd, vd, bsz * h)
   nk = kd // bk
   whole = lambda w, col: pl.BlockSpec((None, tp, None, w), lambda i, j, s: (i, 0, j, col(s)))
   kcol, vcol = (lambda s: s % nk), (lambda s: s // nk)
@@ -343,10 +366,11 @@ def _states(x, y, g, rc, init, fwd=None, *, c, reverse, scale, interpret, knobs)
     out_specs.append(pl.BlockSpec((None, None, nt, None, bk),
                                   lambda i, j, s: (i, j, 0, vcol(s), kcol(s))))
     out_shape.append(jax.ShapeDtypeStruct((bsz, h, nt, vd // bv, kd), F32))
+  warps = state_warps(bv, bk, bsz * h * (vd // bv) * nk)
   return pl.pallas_call(
       kernel, grid=(bsz, h, (vd // bv) * nk), in_specs=in_specs,
       out_specs=out_specs, out_shape=out_shape,
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=STATE_STAGES),
+      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=STATE_STAGES),
       interpret=interpret)(*args)
 
 

@@ -117,8 +117,9 @@ def set_variant(variant):
   default; no option: the code as it is). Options of "fact":
 
   - wN: N warps per per-chunk program;
-  - sbN: N-wide state tiles; stN: N pipeline stages in the state kernels; pf: the state
-    kernels' next tiles prefetched by hand;
+  - sbN: N-wide state tiles (N columns of K, and N rows of V unless svN); svN: N rows of V;
+    swN: N warps per state program; stN: N pipeline stages in the state kernels; pf: the
+    state kernels' next tiles prefetched by hand;
   - spN: N-wide column blocks of the per-chunk kernels;
   - spoN, spvN, spqN, woN, wvN, wqN: the same for one per-chunk kernel (o: output, v: dv,
     q: dq and dk);
@@ -133,12 +134,14 @@ def set_variant(variant):
     raise ValueError(f"unknown variant {variant!r}: fact or xla")
   dispatch.GLA_GPU_IMPL = name
   fact = gla_gpu_fact
-  fact.NUM_WARPS = fact.STATE_BLOCK = fact.SPLIT = None
+  fact.NUM_WARPS = fact.STATE_BLOCK = fact.STATE_ROWS = fact.SPLIT = None
+  fact.STATE_WARPS = None
   fact.KERNEL_SPLIT, fact.KERNEL_WARPS = {}, {}
   per_kernel = {"o": "output", "v": "dv", "q": "dqk"}
   fact.STATE_PREFETCH = False
   fact.STATE_STAGES, CHUNK = 3, 64
-  numeric = {"w": "NUM_WARPS", "sb": "STATE_BLOCK", "st": "STATE_STAGES", "sp": "SPLIT"}
+  numeric = {"w": "NUM_WARPS", "sb": "STATE_BLOCK", "sv": "STATE_ROWS", "sw": "STATE_WARPS",
+             "st": "STATE_STAGES", "sp": "SPLIT"}
   flags = {"pf": "STATE_PREFETCH"}
   for opt in opts:
     key = opt.rstrip("0123456789")
