@@ -122,7 +122,7 @@ def set_variant(variant):
     state kernels' next tiles prefetched by hand;
   - spN: N-wide column blocks of the per-chunk kernels;
   - spoN, spvN, spqN, woN, wvN, wqN: the same for one per-chunk kernel (o: output, v: dv,
-    q: dq and dk);
+    q: dq and dk); vsN: the dq/dk kernel's products over V in steps of N columns (V_STEP);
   - cN: chunks of N tokens (chunk_gla's chunk_size, 64 otherwise; for both "fact" and "xla").
 
   Options timed and dropped (V_ONCE, now the code; STATE_UNROLL, DQK_WARPS, EXACT_APART) are in
@@ -136,12 +136,13 @@ def set_variant(variant):
   fact = gla_gpu_fact
   fact.NUM_WARPS = fact.STATE_BLOCK = fact.STATE_ROWS = fact.SPLIT = None
   fact.STATE_WARPS = None
+  fact.V_STEP = 256
   fact.KERNEL_SPLIT, fact.KERNEL_WARPS = {}, {}
   per_kernel = {"o": "output", "v": "dv", "q": "dqk"}
   fact.STATE_PREFETCH = False
   fact.STATE_STAGES, CHUNK = 3, 64
   numeric = {"w": "NUM_WARPS", "sb": "STATE_BLOCK", "sv": "STATE_ROWS", "sw": "STATE_WARPS",
-             "st": "STATE_STAGES", "sp": "SPLIT"}
+             "st": "STATE_STAGES", "sp": "SPLIT", "vs": "V_STEP"}
   flags = {"pf": "STATE_PREFETCH"}
   for opt in opts:
     key = opt.rstrip("0123456789")
