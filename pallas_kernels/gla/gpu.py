@@ -51,7 +51,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-
 F32 = jnp.float32
 
 # A chunk whose largest total log-decay over K exceeds this takes the exact float32 branch.

@@ -40,21 +40,11 @@ def add_later_chunks(within: jax.Array, axis: int) -> jax.Array:
 
   ``within`` has chunks on ``axis`` and the positions of a chunk on ``axis + 1``; position 0
   of a chunk holds that chunk's whole sum. Adds the sums of all later chunks to every position
-  (the backward's d log_g in every GLA path)."""
+  (the backward's d log_g in the TPU path and gla_gpu; gla.gpu's kernels add the later
+  chunks' part themselves)."""
   totals = jnp.take(within, 0, axis=axis + 1)
   later = jnp.flip(jnp.cumsum(jnp.flip(totals, axis), axis), axis) - totals
   return within + jnp.expand_dims(later, axis + 1)
-
-
-def token_log_gate_grad(within: jax.Array, chunk: int, ds_last: jax.Array,
-                        s_last: jax.Array) -> jax.Array:
-  """d log_g [B, T, H, K] float32 from ``within`` [B, T, H, K] (reverse cumulative sums of
-  dL/dG inside each chunk of ``chunk`` tokens): the later chunks' sums are added, and the final
-  state's term sum_v dh_last * h_last (``ds_last``, ``s_last``: [B, H, K, V]), which every
-  position's reverse cumulative sum contains."""
-  bsz, t, h, kd = within.shape
-  across = add_later_chunks(within.reshape(bsz, t // chunk, chunk, h, kd), 1)
-  return across.reshape(within.shape) + jnp.sum(ds_last * s_last, axis=-1)[:, None]
 
 
 def gla_reference(q, k, v, log_g, h0=None, *, scale=None, reset=None, chunk_size=64):
