@@ -40,7 +40,7 @@ def add_later_chunks(within: jax.Array, axis: int) -> jax.Array:
 
   ``within`` has chunks on ``axis`` and the positions of a chunk on ``axis + 1``; position 0
   of a chunk holds that chunk's whole sum. Adds the sums of all later chunks to every position
-  (the backward's d log_g in the TPU path and gla_gpu; gla.gpu's kernels add the later
+  (the backward's d log_g in the TPU path and gla.gpu_xla; gla.gpu's kernels add the later
   chunks' part themselves)."""
   totals = jnp.take(within, 0, axis=axis + 1)
   later = jnp.flip(jnp.cumsum(jnp.flip(totals, axis), axis), axis) - totals
