@@ -55,27 +55,20 @@ F32 = jnp.float32
 
 # A chunk whose largest total log-decay over K exceeds this takes the exact float32 branch.
 LIMIT = 60.0
-# State tile per sequential program: columns of K (and rows of V unless STATE_ROWS is set), and
-# warps per program. None: by head size and grid (state_block, state_warps). Set by
+# Square state tile per sequential program (None: by head size and grid, state_block). Set by
 # measurement (docs/kernels.md).
 STATE_BLOCK = None
-STATE_ROWS = None
-STATE_WARPS = None
 # Programs the state kernels' grid should have at least (an H100 has 132 SMs).
 MIN_PROGRAMS = 128
 # The sequential kernels' loop: Triton's own software pipelining (num_stages; 3 measured best,
 # docs/kernels.md) or tiles of chunk n + 1 loaded by hand before chunk n's arithmetic.
 STATE_STAGES = 3
 STATE_PREFETCH = False
-# The per-chunk kernels ("output", "dv", "dqk"): column block (V for o and dv, K for dq and
-# dk; wider heads get more programs per chunk, each recomputing the chunk attention it needs)
-# and warps per program. None: by head size (split, _warps). SPLIT and NUM_WARPS set all three
-# kernels, KERNEL_SPLIT and KERNEL_WARPS one (benchmarks and tests).
+# The per-chunk kernels' column block (V for o and dv, K for dq and dk; wider heads get more
+# programs per chunk, each recomputing the chunk attention it needs) and warps per program.
+# None: by kernel and head size (split, _warps).
 SPLIT = None
 NUM_WARPS = None
-KERNEL_SPLIT = {}
-KERNEL_WARPS = {}
-PER_CHUNK = ("output", "dv", "dqk")
 
 
 def state_block(kd: int, vd: int, pairs: int) -> tuple[int, int]:
@@ -87,10 +80,9 @@ def state_block(kd: int, vd: int, pairs: int) -> tuple[int, int]:
   programs than SMs leave the GPU idle. H100, fwd+bwd: (8, 2048, 8, 128) 0.937 -> 0.907 ms with
   128 x 64 against 64 x 64; (8, 2048, 16, 64) 0.86 -> 0.76 with 64 x 64 against 32 x 32; GLA
   340M's (16, 2048, 4, K 128, V 256) 1.62 -> 1.49 with 128 x 64 (docs/kernels.md)."""
-  if STATE_BLOCK or STATE_ROWS:
-    bk = STATE_BLOCK or 64
-    return min(vd, STATE_ROWS or bk), min(kd, bk)
-  for bv, bk in ((128, 64), (64, 64), (32, 32)):
+  if STATE_BLOCK:
+    return min(vd, STATE_BLOCK), min(kd, STATE_BLOCK)
+  for bv, bk in ((128, 64), (64, 64)):
     bv, bk = min(vd, bv), min(kd, bk)
     if pairs * (vd // bv) * (kd // bk) >= MIN_PROGRAMS:
       return bv, bk
@@ -101,7 +93,7 @@ def state_warps(bv: int, bk: int, programs: int) -> int:
   """8 warps for a tile above 64 x 64 in a grid of under 2 * MIN_PROGRAMS programs, else 4
   (at 128 x 64: (8, 2048, 8, 128), 128 programs, 0.925 -> 0.907 ms with 8; GLA 340M's
   shape, 256 programs, 1.61 -> 1.49 with 4)."""
-  return STATE_WARPS or (8 if bv * bk > 64 * 64 and programs < 2 * MIN_PROGRAMS else 4)
+  return 8 if bv * bk > 64 * 64 and programs < 2 * MIN_PROGRAMS else 4
 
 
 def split(kd: int, vd: int, kernel: str) -> int:
@@ -110,11 +102,7 @@ def split(kd: int, vd: int, kernel: str) -> int:
   0.200 -> 0.159 ms and dv 0.208 -> 0.150 against 64-wide blocks, H100, 2026-11-26). dq and
   dk: 64 (with 128 at K = V = 128 the dq/dk kernel took 0.362 -> 0.692 ms; at GLA 340M's
   K 128, V 256 fwd+bwd 1.95 -> 1.69 ms against 128)."""
-  if kernel not in PER_CHUNK:
-    raise ValueError(f"kernel must be one of {PER_CHUNK}, got {kernel!r}")
-  if KERNEL_SPLIT.get(kernel) or SPLIT:
-    return KERNEL_SPLIT.get(kernel) or SPLIT
-  return 64 if kernel == "dqk" else 128
+  return SPLIT or (64 if kernel == "dqk" else 128)
 
 
 # The largest head (K x V) whose tiles fit in an H100's shared memory, 16-bit inputs only:
@@ -322,9 +310,7 @@ _kernel_jit = functools.partial(jax.jit, static_argnames=("c", "scale", "interpr
 
 
 def _knobs():
-  return (LIMIT, SPLIT, STATE_BLOCK, STATE_ROWS, STATE_WARPS, STATE_STAGES, STATE_PREFETCH,
-          NUM_WARPS, V_STEP,
-          tuple(sorted(KERNEL_SPLIT.items())), tuple(sorted(KERNEL_WARPS.items())))
+  return (LIMIT, SPLIT, STATE_BLOCK, STATE_STAGES, STATE_PREFETCH, NUM_WARPS, V_STEP)
 
 
 @functools.partial(jax.jit, static_argnames=("c", "reverse", "scale", "interpret", "knobs"))
@@ -406,21 +392,20 @@ class _Specs:
     return [self.rc.reshape(bsz, tp, 1), self.rc.reshape(bsz, tp // self.c, 1, self.c)]
 
 
-def _call(name, kernel, specs, grid, in_specs, out_specs, out_shape, width, interpret, *args,
-          **kw):
+def _call(kernel, specs, grid, in_specs, out_specs, out_shape, width, interpret, *args, **kw):
   kernel = functools.partial(kernel, c=specs.c, has_resets=specs.rc is not None, **kw)
   return pl.pallas_call(
       kernel, grid=grid, in_specs=in_specs + specs.resets(), out_specs=out_specs,
       out_shape=out_shape,
-      compiler_params=plgpu.CompilerParams(num_warps=_warps(name, width), num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=_warps(width), num_stages=1),
       interpret=interpret)(*args, *specs.reset_args())
 
 
-def _warps(kernel, width):
+def _warps(width):
   """Warps of a per-chunk program whose widest tile is ``width`` columns: 4 up to 128 (8, as
   before, was slower at K = V = 128: fwd+bwd 1.29 -> 1.11 ms at 8, 2048, 8, 128), else 8 (4
   spills at GLA 340M's 256-wide V: 1.92 -> 2.85 ms)."""
-  return KERNEL_WARPS.get(kernel) or NUM_WARPS or (4 if width <= 128 else 8)
+  return NUM_WARPS or (4 if width <= 128 else 8)
 
 
 def _split_refs(refs, n_in, has_resets):
@@ -450,7 +435,7 @@ def _output(q, k, v, g, rc, st, *, scale, c, interpret, knobs):
   vd = v.shape[-1]
   bv = min(vd, split(kd, vd, "output"))
   sp = _Specs(c, rc)
-  return _call("output", _output_kernel, sp, (bsz, h, tp // c, vd // bv),
+  return _call(_output_kernel, sp, (bsz, h, tp // c, vd // bv),
                [sp.tok(kd), sp.tok(kd), sp.tok(bv, True), sp.tok(kd), sp.state(bv, kd, True)],
                sp.tok(bv, True), jax.ShapeDtypeStruct((bsz, tp, h, vd), q.dtype),
                max(kd, bv), interpret, q, k, v, g, st, scale=scale)
@@ -534,12 +519,12 @@ def _grads(q, k, v, g, do, rc, st, dst, later, *, scale, c, interpret, knobs):
   bv, bk = min(vd, split(kd, vd, "dv")), min(kd, split(kd, vd, "dqk"))
   sp = _Specs(c, rc)
   nt = tp // c
-  dv = _call("dv", _dv_kernel, sp, (bsz, h, nt, vd // bv),
+  dv = _call(_dv_kernel, sp, (bsz, h, nt, vd // bv),
              [sp.tok(kd), sp.tok(kd), sp.tok(kd), sp.tok(bv, True), sp.state(bv, kd, True)],
              sp.tok(bv, True), jax.ShapeDtypeStruct(v.shape, v.dtype), max(kd, bv),
              interpret, q, k, g, do, dst, scale=scale)
   dq, dk, dg = _call(
-      "dqk", _dqk_kernel, sp, (bsz, h, nt, kd // bk),
+      _dqk_kernel, sp, (bsz, h, nt, kd // bk),
       [sp.tok(bk, True), sp.tok(bk, True), sp.tok(vd), sp.tok(bk, True), sp.tok(vd),
        sp.state(vd, bk, blocked_cols=True), sp.state(vd, bk, blocked_cols=True),
        sp.state(later.shape[3], bk, blocked_cols=True)],

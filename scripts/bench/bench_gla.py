@@ -117,12 +117,9 @@ def set_variant(variant):
   default; no option: the code as it is). Options of "fact":
 
   - wN: N warps per per-chunk program;
-  - sbN: N-wide state tiles (N columns of K, and N rows of V unless svN); svN: N rows of V;
-    swN: N warps per state program; stN: N pipeline stages in the state kernels; pf: the
-    state kernels' next tiles prefetched by hand;
+  - sbN: N-wide state tiles; stN: N pipeline stages in the state kernels; pf: the state
+    kernels' next tiles prefetched by hand;
   - spN: N-wide column blocks of the per-chunk kernels;
-  - spoN, spvN, spqN, woN, wvN, wqN: the same for one per-chunk kernel (o: output, v: dv,
-    q: dq and dk); vsN: the dq/dk kernel's products over V in steps of N columns (V_STEP);
   - cN: chunks of N tokens (chunk_gla's chunk_size, 64 otherwise; for both "fact" and "xla").
 
   Options timed and dropped (V_ONCE, now the code; STATE_UNROLL, DQK_WARPS, EXACT_APART) are in
@@ -134,23 +131,15 @@ def set_variant(variant):
     raise ValueError(f"unknown variant {variant!r}: fact or xla")
   dispatch.GLA_GPU_IMPL = name
   fact = gla_gpu_fact
-  fact.NUM_WARPS = fact.STATE_BLOCK = fact.STATE_ROWS = fact.SPLIT = None
-  fact.STATE_WARPS = None
-  fact.V_STEP = 256
-  fact.KERNEL_SPLIT, fact.KERNEL_WARPS = {}, {}
-  per_kernel = {"o": "output", "v": "dv", "q": "dqk"}
+  fact.NUM_WARPS = fact.STATE_BLOCK = fact.SPLIT = None
   fact.STATE_PREFETCH = False
   fact.STATE_STAGES, CHUNK = 3, 64
-  numeric = {"w": "NUM_WARPS", "sb": "STATE_BLOCK", "sv": "STATE_ROWS", "sw": "STATE_WARPS",
-             "st": "STATE_STAGES", "sp": "SPLIT", "vs": "V_STEP"}
+  numeric = {"w": "NUM_WARPS", "sb": "STATE_BLOCK", "st": "STATE_STAGES", "sp": "SPLIT"}
   flags = {"pf": "STATE_PREFETCH"}
   for opt in opts:
     key = opt.rstrip("0123456789")
     if opt.startswith("c") and opt[1:].isdigit():
       CHUNK = int(opt[1:])
-    elif name == "fact" and key[:-1] in ("sp", "w") and key[-1] in per_kernel and opt != key:
-      table = fact.KERNEL_SPLIT if key.startswith("sp") else fact.KERNEL_WARPS
-      table[per_kernel[key[-1]]] = int(opt[len(key):])
     elif name == "fact" and key in numeric and opt != key:
       setattr(fact, numeric[key], int(opt[len(key):]))
     elif name == "fact" and opt in flags:
