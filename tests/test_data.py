@@ -553,7 +553,9 @@ def test_a_file_removed_or_truncated_during_the_run_stops_it_with_one_line(tmp_p
   iterator = data.make_train_iterator(make_config(
       source="text", paths=str(tmp_path / "[0-2].txt"), eval_paths=str(tmp_path / "0.txt")))
   take(iterator, 1)
-  (tmp_path / "2.txt").write_text("cut")
+  # Replaced in one step: a plain rewrite truncates first, and a reader thread may see 0 bytes.
+  (tmp_path / "cut.tmp").write_text("cut")
+  os.replace(tmp_path / "cut.tmp", tmp_path / "2.txt")
   assert read_until_error(iterator) == (
       f"data file {str(tmp_path / '2.txt')!r} changed while the run reads it: 220 bytes when the"
       " run started, 3 now; restore it, or rerun to go on with the files as they are")
