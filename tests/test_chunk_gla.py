@@ -41,7 +41,8 @@ def recurrence(q, k, v, log_g, h0, scale, reset, do, dh_last):
 def rel_err(x, ref):
   x = np.asarray(x, np.float64)
   assert np.all(np.isfinite(x))
-  return np.linalg.norm(x - ref) / np.linalg.norm(ref)
+  scale = np.linalg.norm(ref)
+  return np.linalg.norm(x - ref) / (scale if scale else 1.0)  # zero reference: absolute
 
 
 def random_inputs(seed, b, t, h, dk, dv, max_decay=1.0, reset_rate=0.0):
@@ -72,18 +73,25 @@ def use_gpu_impl(monkeypatch, impl):
   monkeypatch.setattr(dispatch, "GLA_GPU_IMPL", impl)
 
 
-def check_against_recurrence(inputs, with_reset, **kw):
+def check_against_recurrence(inputs, with_reset, uses=("h0", "o", "h_last"), **kw):
+  """``uses``: without "h0" chunk_gla gets h0=None; the loss leaves out o or h_last when they are
+  not named (their cotangents are then symbolic zeros)."""
   q, k, v, log_g, h0, reset, do, dh_last = inputs
+  h0, do, dh_last = (x if name in uses else 0 * x
+                     for x, name in ((h0, "h0"), (do, "o"), (dh_last, "h_last")))
   scale = q.shape[-1] ** -0.5
   o_ref, h_ref, grads_ref = recurrence(q, k, v, log_g, h0, scale, reset, do, dh_last)
   reset_arg = jnp.asarray(reset) if with_reset else None
 
   def loss(*args):
     o, h_last = chunk_gla(*args, reset=reset_arg, **kw)
-    return jnp.sum(o * do) + jnp.sum(h_last * dh_last), (o, h_last)
+    terms = {"o": jnp.sum(o * do), "h_last": jnp.sum(h_last * dh_last)}
+    return sum(terms[name] for name in uses if name in terms), (o, h_last)
 
-  grads, (o, h_last) = jax.jit(jax.grad(loss, argnums=range(5), has_aux=True))(
-      q, k, v, log_g, h0)
+  n = 5 if "h0" in uses else 4
+  grads, (o, h_last) = jax.jit(jax.grad(
+      lambda *a: loss(*a[:4], a[4] if n == 5 else None), argnums=range(n), has_aux=True))(
+          q, k, v, log_g, h0)
   assert rel_err(o, o_ref) < 1e-4
   assert rel_err(h_last, h_ref) < 1e-4
   for name, got, want in zip(("dq", "dk", "dv", "dlog_g", "dh0"), grads, grads_ref):
@@ -163,6 +171,18 @@ def test_factorised_kernels_match_recurrence(monkeypatch, shape, chunk, max_deca
     monkeypatch.setattr(gla_gpu_fact, "LIMIT", limit)
   inputs = random_inputs(sum(shape), *shape, max_decay=max_decay, reset_rate=reset_rate)
   check_against_recurrence(inputs, reset_rate > 0, platform="gpu", chunk_size=chunk)
+
+
+# Without h0 the kernels start from zeros and write no dh0; with h_last unused the reverse pass
+# starts from zeros without reading the forward's final state; with o unused its cotangent is
+# built as zeros. Each combination against the recurrence, with resets and the exact branch in
+# some chunks (max decay 3).
+@pytest.mark.parametrize("uses", [("o",), ("h0", "o"), ("o", "h_last"), ("h0", "h_last")])
+def test_factorised_kernels_without_h0_or_an_output(monkeypatch, uses):
+  use_gpu_impl(monkeypatch, "fact")
+  monkeypatch.setattr(gla_gpu, "gla", None)
+  inputs = random_inputs(17, 2, 100, 2, 32, 16, max_decay=3.0, reset_rate=0.03)
+  check_against_recurrence(inputs, True, uses=uses, platform="gpu", chunk_size=32)
 
 
 def test_shapes_whose_tiles_overflow_the_shared_memory_take_gla_gpu(monkeypatch):

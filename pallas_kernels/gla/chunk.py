@@ -71,6 +71,8 @@ def chunk_gla(q, k, v, log_g, h0=None, *, scale=None, reset=None, chunk_size=64,
   counts = None if reset is None else chunk_reset_counts(pad(reset), c)
   path = dispatch.gla_path(platform, dk, dv, c, q.dtype, interpret)
   if path in ("gpu", "gpu_xla"):
+    if path == "gpu" and h0 is None:
+      s0 = None  # the kernels start from zeros without reading an array
     args = (pad(q), pad(k.astype(q.dtype)), pad(v.astype(q.dtype)), pad(log_g), s0, counts)
     impl = gpu.gla if path == "gpu" else gpu_xla.gla
     o, s_last = impl(scale, c, interpret, *args)

@@ -248,14 +248,16 @@ def _masked(x, mask):
 # --- the sequential state kernels ---------------------------------------------------------
 
 
-def _states_kernel(*refs, c, nt, reverse, scale, has_resets, prefetch):
+def _states_kernel(*refs, c, nt, reverse, scale, has_resets, has_init, has_last, prefetch):
   refs = list(refs)
   x_ref, y_ref, g_ref = refs[:3]
-  rc_ref = refs.pop(3) if has_resets else None
-  if reverse:  # also the forward's states, and d log_g's part from the later chunks
-    init_ref, fst_ref, flast_ref, st_ref, last_ref, later_ref = refs[3:]
-  else:
-    init_ref, st_ref, last_ref = refs[3:]
+  rest = iter(refs[3:])
+  take = lambda present: next(rest) if present else None
+  rc_ref, init_ref = take(has_resets), take(has_init)
+  # Reverse: also the forward's states (and its final one, needed only with a nonzero init), and
+  # d log_g's part from the later chunks.
+  fst_ref, flast_ref = take(reverse), take(reverse and has_init)
+  st_ref, last_ref, later_ref = next(rest), take(has_last), take(reverse)
   dt = x_ref.dtype
   chunk_of = lambda i: nt - 1 - i if reverse else i
 
@@ -285,11 +287,15 @@ def _states_kernel(*refs, c, nt, reverse, scale, has_resets, prefetch):
     # chunk n + 1's first token, the part of every d log_g in chunk n that comes from the
     # later chunks (_dqk_kernel adds it); that gate scales this state wherever the later chunks
     # use it. The state leaving chunk n is the one entering n + 1, loaded in the step before
-    # (the forward's final state in the first step).
+    # (the forward's final state in the first step, or zeros when the init dS is zero: the term
+    # is zero then).
     later_ref[n] = jnp.sum(leaving * carry[0], axis=0)              # [BK]
     return st, fst_ref[n].astype(F32)
 
-  init = (init_ref[...], flast_ref[...]) if reverse else init_ref[...]
+  zero = jnp.zeros(st_ref.shape[1:], F32)
+  init = zero if init_ref is None else init_ref[...]
+  if reverse:
+    init = (init, zero if flast_ref is None else flast_ref[...])
   if prefetch:  # the next chunk's tiles are loaded before this chunk's arithmetic
     def body(i, carry):
       carry, tiles = carry
@@ -298,7 +304,8 @@ def _states_kernel(*refs, c, nt, reverse, scale, has_resets, prefetch):
     last, _ = lax.fori_loop(0, nt, body, (init, load(0)))
   else:
     last = lax.fori_loop(0, nt, lambda i, carry: update(carry, chunk_of(i), load(i)), init)
-  last_ref[...] = last[0] if reverse else last
+  if last_ref is not None:
+    last_ref[...] = last[0] if reverse else last
 
 
 # Each kernel function is its own jit: a model calls it once per layer with the same shapes, and
@@ -313,8 +320,9 @@ def _knobs():
   return (LIMIT, SPLIT, STATE_BLOCK, STATE_STAGES, STATE_PREFETCH, NUM_WARPS, V_STEP)
 
 
-@functools.partial(jax.jit, static_argnames=("c", "reverse", "scale", "interpret", "knobs"))
-def _states(x, y, g, rc, init, fwd=None, *, c, reverse, scale, interpret, knobs):
+@functools.partial(jax.jit,
+                   static_argnames=("c", "reverse", "scale", "interpret", "knobs", "last"))
+def _states(x, y, g, rc, init, fwd=None, *, c, reverse, scale, interpret, knobs, last=True):
   """Per-chunk states [B, H, NT, V, K] (x's dtype) and the final one [B, H, V, K] float32.
 
   Forward (x = k, y = v, init = S_0^T): entry n is S_n^T, the state entering chunk n.
@@ -322,6 +330,8 @@ def _states(x, y, g, rc, init, fwd=None, *, c, reverse, scale, interpret, knobs)
   the gradient dS_n of the state leaving chunk n; the final one is dS_0^T; and a third output
   [B, H, NT, V / BV, K] float32, sum_v S dS_n with S the state leaving chunk n, one row per
   block of V rows: d log_g's part from the later chunks (_dqk_kernel adds the rows up).
+  init None: zeros, read from no array (and in reverse the forward's final state is not read).
+  last False: the final state is not written (None in its place).
   """
   del knobs  # a cache key (see _knobs)
   bsz, tp, h, kd = x.shape
@@ -338,25 +348,32 @@ def _states(x, y, g, rc, init, fwd=None, *, c, reverse, scale, interpret, knobs)
     in_specs.append(pl.BlockSpec((None, tp, 1), lambda i, j, s: (i, 0, 0)))
     args.append(rc.reshape(bsz, tp, 1))
   kernel = functools.partial(_states_kernel, c=c, nt=nt, reverse=reverse, scale=scale,
-                             has_resets=rc is not None, prefetch=STATE_PREFETCH)
+                             has_resets=rc is not None, has_init=init is not None,
+                             has_last=last, prefetch=STATE_PREFETCH)
   states = pl.BlockSpec((None, None, nt, bv, bk), lambda i, j, s: (i, j, 0, vcol(s), kcol(s)))
-  in_specs.append(tile)
-  args.append(init)
-  out_specs = [states, tile]
-  out_shape = [jax.ShapeDtypeStruct((bsz, h, nt, vd, kd), x.dtype),
-               jax.ShapeDtypeStruct((bsz, h, vd, kd), F32)]
+  if init is not None:
+    in_specs.append(tile)
+    args.append(init)
   if reverse:
-    in_specs += [states, tile]
-    args += list(fwd)
+    in_specs.append(states)
+    args.append(fwd[0])
+    if init is not None:
+      in_specs.append(tile)
+      args.append(fwd[1])
+  out_specs = [states] + [tile] * last
+  out_shape = [jax.ShapeDtypeStruct((bsz, h, nt, vd, kd), x.dtype)]
+  out_shape += [jax.ShapeDtypeStruct((bsz, h, vd, kd), F32)] * last
+  if reverse:
     out_specs.append(pl.BlockSpec((None, None, nt, None, bk),
                                   lambda i, j, s: (i, j, 0, vcol(s), kcol(s))))
     out_shape.append(jax.ShapeDtypeStruct((bsz, h, nt, vd // bv, kd), F32))
   warps = state_warps(bv, bk, bsz * h * (vd // bv) * nk)
-  return pl.pallas_call(
+  outs = pl.pallas_call(
       kernel, grid=(bsz, h, (vd // bv) * nk), in_specs=in_specs,
       out_specs=out_specs, out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=STATE_STAGES),
       interpret=interpret)(*args)
+  return outs if last else (outs[0], None, *outs[1:])
 
 
 # --- the per-chunk kernels ----------------------------------------------------------------
@@ -542,30 +559,39 @@ def _grads(q, k, v, g, do, rc, st, dst, later, *, scale, c, interpret, knobs):
 def gla(scale, c, interpret, q, k, v, g, s0, rc):
   """o [B, Tp, H, V] (q's dtype), h_last [B, H, K, V] float32; Tp a multiple of c.
 
-  q, k, g: [B, Tp, H, K]; v: [B, Tp, H, V] (k, v in q's dtype); s0 [B, H, K, V] float32; rc
-  [B, Tp] float32 reset counts (gla_reference.chunk_reset_counts) or None.
+  q, k, g: [B, Tp, H, K]; v: [B, Tp, H, V] (k, v in q's dtype); s0 [B, H, K, V] float32 or
+  None (zeros); rc [B, Tp] float32 reset counts (gla_reference.chunk_reset_counts) or None.
   """
-  return _fwd(scale, c, interpret, q, k, v, g, s0, rc)[0]
+  return _forward(scale, c, interpret, q, k, v, g, s0, rc)[0]
 
 
-def _fwd(scale, c, interpret, q, k, v, g, s0, rc):
+def _forward(scale, c, interpret, q, k, v, g, s0, rc):
   kw = dict(c=c, scale=scale, interpret=interpret, knobs=_knobs())
-  st, last = _states(k, v, g, rc, jnp.swapaxes(s0, -1, -2), reverse=False, **kw)
+  init = None if s0 is None else jnp.swapaxes(s0, -1, -2)
+  st, last = _states(k, v, g, rc, init, reverse=False, **kw)
   o = _output(q, k, v, g, rc, st, **kw)
-  s_last = jnp.swapaxes(last, -1, -2)
-  return (o, s_last), (q, k, v, g, s0, rc, st, last)
+  return (o, jnp.swapaxes(last, -1, -2)), (q, k, v, g, s0, rc, st, last)
+
+
+def _fwd(scale, c, interpret, *primals):
+  # Symbolic zeros (defvjp below): the primals come wrapped; only their values matter here.
+  return _forward(scale, c, interpret, *(None if p is None else p.value for p in primals))
 
 
 def _bwd(scale, c, interpret, res, cts):
+  """Unused outputs' cotangents arrive as symbolic zeros: a zero dS at the end (h_last unused,
+  as in a model's training step) is neither built nor read, and without s0 no dS_0 is written."""
   q, k, v, g, s0, rc, st, last = res
   do, ds_last = cts
   kw = dict(c=c, scale=scale, interpret=interpret, knobs=_knobs())
-  do = do.astype(q.dtype)
-  ds_last = ds_last.astype(F32)
-  dst, ds0, later = _states(q, do, g, rc, jnp.swapaxes(ds_last, -1, -2), (st, last),
-                            reverse=True, **kw)
+  zero = lambda ct: isinstance(ct, jax.custom_derivatives.SymbolicZero)
+  do = jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype) if zero(do) else do.astype(q.dtype)
+  init = None if zero(ds_last) else jnp.swapaxes(ds_last.astype(F32), -1, -2)
+  dst, ds0, later = _states(q, do, g, rc, init, (st, last), reverse=True,
+                            last=s0 is not None, **kw)
   dq, dk, dv, dlog_g = _grads(q, k, v, g, do, rc, st, dst, later, **kw)
-  return (dq, dk, dv, dlog_g.astype(g.dtype), jnp.swapaxes(ds0, -1, -2).astype(s0.dtype), None)
+  ds0 = None if s0 is None else jnp.swapaxes(ds0, -1, -2).astype(s0.dtype)
+  return (dq, dk, dv, dlog_g.astype(g.dtype), ds0, None)
 
 
-gla.defvjp(_fwd, _bwd)
+gla.defvjp(_fwd, _bwd, symbolic_zeros=True)
