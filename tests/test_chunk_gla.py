@@ -54,15 +54,19 @@ def random_inputs(seed, b, t, h, dk, dv, max_decay=1.0, reset_rate=0.0):
           reset, f32(b, t, h, dv), f32(b, h, dk, dv))
 
 
-def lowered_for_cuda(gla, dtype, dh, with_reset, b=1, t=256, h=2, c=64):
+def lowered_for_cuda(gla, dtype, dh, with_reset, b=1, t=256, h=2, c=64, with_h0=True):
   """The StableHLO text of forward + backward of ``gla(c, q, k, v, log_g, s0, rc)`` lowered for
-  CUDA on the CPU (no GPU here): catches unsupported primitives and block shapes early."""
+  CUDA on the CPU (no GPU here): catches unsupported primitives and block shapes early.
+  with_h0 False: s0 None and h_last unused (no initial states read or written)."""
   x = jax.ShapeDtypeStruct((b, t, h, dh), jnp.dtype(dtype))
   g = jax.ShapeDtypeStruct((b, t, h, dh), jnp.float32)
-  s0 = jax.ShapeDtypeStruct((b, h, dh, dh), jnp.float32)
+  s0 = jax.ShapeDtypeStruct((b, h, dh, dh), jnp.float32) if with_h0 else None
   rc = jax.ShapeDtypeStruct((b, t), jnp.float32) if with_reset else None
 
   def fwd_bwd(q, k, v, log_g, s0, rc, do):
+    if s0 is None:
+      o, vjp = jax.vjp(lambda *a: gla(c, *a, None, rc)[0], q, k, v, log_g)
+      return o, vjp(do)
     (o, _), vjp = jax.vjp(lambda *a: gla(c, *a, rc), q, k, v, log_g, s0)
     return o, vjp((do, jnp.zeros_like(s0)))
 
@@ -238,13 +242,15 @@ def test_gpu_paths_bfloat16_accuracy(monkeypatch, impl):
 
 
 # With V wider than V_STEP (32) the dq/dk kernel's products loop over V.
-@pytest.mark.parametrize("dtype, dh, with_reset, v_step", [
-    ("bfloat16", 64, True, None), ("float32", 128, False, None), ("bfloat16", 64, False, 32)])
-def test_factorised_kernels_lower_to_triton(monkeypatch, dtype, dh, with_reset, v_step):
+# The last row: no h0 and h_last unused, the state kernels without their initial-state operands.
+@pytest.mark.parametrize("dtype, dh, with_reset, v_step, with_h0", [
+    ("bfloat16", 64, True, None, True), ("float32", 128, False, None, True),
+    ("bfloat16", 64, False, 32, True), ("bfloat16", 128, True, None, False)])
+def test_factorised_kernels_lower_to_triton(monkeypatch, dtype, dh, with_reset, v_step, with_h0):
   if v_step:
     monkeypatch.setattr(gla_gpu_fact, "V_STEP", v_step)
   text = lowered_for_cuda(lambda c, *a: gla_gpu_fact.gla(dh**-0.5, c, False, *a), dtype, dh,
-                          with_reset)
+                          with_reset, with_h0=with_h0)
   assert text.count("@__gpu$xla.gpu.triton") == 5  # two state kernels, output, dv, dq and dk
 
 
