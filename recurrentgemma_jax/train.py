@@ -274,6 +274,14 @@ class MetricsWriter:
     if self.primary:
       print(("\n" if self.tty else "") + text, flush=True)
 
+  def close(self) -> None:
+    """Flushes and closes TensorBoard's writer. Left to its exit hook, a writer that never
+    wrote (a run stopped before its first step) starts a thread at interpreter shutdown, which
+    Python 3.12 refuses with a traceback."""
+    if self.tb is not None:
+      self.tb.close()
+      self.tb = None
+
 
 class Checkpoints:
   """Orbax CheckpointManager over ``WORKDIR/checkpoints``: asynchronous saves of the params,
@@ -696,8 +704,9 @@ def _loop(config, plan: Setup, log, compiled, checkpoints: "Checkpoints", n_para
       phase = "evaluation"  # the run that saved this step stopped before evaluating it
       eval_record = evaluate(start)
     if stop.signal and start < config.total_steps:  # signalled while starting: nothing new
-      writer.message(f"stopped by signal {stop.signal} before training; the latest "
-                     f"checkpoint is step {start}")
+      writer.message(f"stopped by signal {stop.signal} before training; " + (
+          f"the latest checkpoint is step {start}" if restored is not None else
+          "no checkpoint was written (a new run starts from scratch)"))
       return last_record
     for step in range(start + 1, config.total_steps + 1):
       phase = "training step"
@@ -757,6 +766,8 @@ def _loop(config, plan: Setup, log, compiled, checkpoints: "Checkpoints", n_para
     raise ConfigError(f"out of device memory at step {step} ({phase}): {first_line(e, 200)}; "
                       f"the last checkpoint is step {last_good} in {checkpoints.directory}"
                       ) from None
+  finally:
+    writer.close()
   if eval_record is not None and config.data.source != "synthetic":
     writer.message(f"held-out loss {eval_record['eval_loss']:.4f} nats/token; the unigram "
                    f"entropy of the held-out tokens is {data.unigram_entropy(config):.4f}")
