@@ -92,10 +92,9 @@ def check_against_recurrence(inputs, with_reset, uses=("h0", "o", "h_last"), **k
     terms = {"o": jnp.sum(o * do), "h_last": jnp.sum(h_last * dh_last)}
     return sum(terms[name] for name in uses if name in terms), (o, h_last)
 
-  n = 5 if "h0" in uses else 4
-  grads, (o, h_last) = jax.jit(jax.grad(
-      lambda *a: loss(*a[:4], a[4] if n == 5 else None), argnums=range(n), has_aux=True))(
-          q, k, v, log_g, h0)
+  with_h0 = "h0" in uses
+  grads, (o, h_last) = jax.jit(jax.grad(loss, argnums=range(5 if with_h0 else 4), has_aux=True))(
+      q, k, v, log_g, h0 if with_h0 else None)
   assert rel_err(o, o_ref) < 1e-4
   assert rel_err(h_last, h_ref) < 1e-4
   for name, got, want in zip(("dq", "dk", "dv", "dlog_g", "dh0"), grads, grads_ref):
