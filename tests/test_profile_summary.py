@@ -1,5 +1,5 @@
 """scripts/bench/profile_summary.py on a hand-made Perfetto trace: device streams counted once,
-kinds."""
+kinds, the device's idle time between kernels."""
 
 import gzip
 import json
@@ -34,16 +34,22 @@ def test_summary_counts_stream_kernels_once_and_groups_them(tmp_path):
       kernel(10, "nvjet_sm90_tst_256x128", 5000, 3000, "custom-call.1"),
       kernel(10, "input_transpose_fusion_3", 9000, 1000),
       kernel(10, "cudnn_generated_fort_native_sdpa_sm90_flash_bprop", 11000, 2000),
+      kernel(10, "_dw_kernel", 13000, 1000),  # a Pallas kernel inside a command buffer
       kernel(11, "custom-call.1", 0, 3000),  # the op-level line repeats the stream: not counted
       {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 99000, "name": "host work"},
   ]
   write_trace(tmp_path / "plugins" / "profile" / "run", events)
   text = profile_summary.summarize(str(tmp_path), steps=2)
-  assert text.startswith("device kernels: 4.50 ms per step over 2 step(s)")
-  assert "| matmul | 3.00 | 66.7% |" in text
-  assert "| copy / transpose | 0.50 | 11.1% |" in text
-  assert "| attention (cuDNN flash) | 1.00 | 22.2% |" in text
-  assert "| `custom-call.1: nvjet_sm90_tst_256x128` | 1 | 3.000 | 66.7% |" in text
+  assert text.startswith("device kernels: 5.00 ms per step over 2 step(s); "
+                         "first-to-last kernel span 7.00 ms per step")
+  # Idle between 3000-5000, 8000-9000 and 10000-11000 us (the XLA Ops line fills none of it).
+  assert ("device idle within the span: 2.00 ms per step (3 gaps; the longest, ms: 2.00, "
+          "1.00, 1.00)") in text
+  assert "| matmul | 3.00 | 60.0% |" in text
+  assert "| copy / transpose | 0.50 | 10.0% |" in text
+  assert "| attention (cuDNN flash) | 1.00 | 20.0% |" in text
+  assert "| Pallas / Triton | 0.50 | 10.0% |" in text
+  assert "| `custom-call.1: nvjet_sm90_tst_256x128` | 1 | 3.000 | 60.0% |" in text
   assert "host work" not in text
 
 

@@ -41,11 +41,13 @@ The ratio of tokens/s (ours / official) is printed (issue #7 asks for at least 1
 ``--rows_per_microbatch N`` accumulates gradients over micro-batches of N rows
 (``optimizer.grad_accum_steps = rows / N``) in every row. ``--deadline S`` starts no new row
 after S seconds (the rest read "skipped"). Writes DIR/train.md, DIR/train.json and
-DIR/train.png (tokens/s against T), rewritten after every row. ``--profile`` also traces 2 more steps of every row with
-``jax.profiler`` and writes DIR/profile_<row>.md (device time by kind of kernel and the top
-kernels, ``scripts/bench/profile_summary.py``), the Perfetto trace DIR/trace_<row>.json.gz and the
-compiled HLO DIR/hlo_<row>.txt (to look up what a fusion holds). ``--tiny`` shrinks the models,
-T to 64 and 128 and the steps, for a CPU check of the script. Sets XLA_PYTHON_CLIENT_MEM_FRACTION
+DIR/train.png (tokens/s against T), rewritten after every row. ``--profile`` also traces one
+more timed window (``--steps`` steps back to back) of every row with ``jax.profiler`` and
+writes DIR/profile_<row>.md (device time by kind of kernel, the device's idle time between
+kernels and the top kernels, ``scripts/bench/profile_summary.py``), the Perfetto trace
+DIR/trace_<row>.json.gz and the compiled HLO DIR/hlo_<row>.txt (to look up what a fusion
+holds). ``--tiny`` shrinks the models, T to 64 and 128 and the steps, for a CPU check of the
+script. Sets XLA_PYTHON_CLIENT_MEM_FRACTION
 to 0.92 unless it is set.
 """
 
@@ -121,8 +123,8 @@ def main():
                       help="seconds after which no new row starts (0: none)")
   parser.add_argument("--tiny", action="store_true", help="tiny models, for a CPU check")
   parser.add_argument("--profile", action="store_true",
-                      help="also trace 2 steps of each row with jax.profiler and write "
-                           "OUT/profile_<row>.md (scripts/bench/profile_summary.py)")
+                      help="also trace one more window of --steps steps of each row with "
+                           "jax.profiler and write OUT/profile_<row>.md (scripts/bench/profile_summary.py)")
   args, rest = parser.parse_known_args()
   overrides, bad = cli.split_config_flags(rest)
   if bad:
@@ -307,12 +309,14 @@ class Bench:
                    "step_times_s": times, "window_means_s": window_means, "loss": loss,
                    "memory_gib": memory}
 
-  def profile(self, compiled, state, batch, name, steps=2):
-    """Traces ``steps`` more steps; writes OUT/profile_<name>.md and prints its first lines."""
+  def profile(self, compiled, state, batch, name):
+    """Traces one more timed window (``--steps`` steps dispatched back to back, one wait);
+    writes OUT/profile_<name>.md and prints its first lines."""
     import re  # pylint: disable=g-import-not-at-top
     import profile_summary  # pylint: disable=g-import-not-at-top  (scripts/bench/, beside this file)
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
     trace_dir = os.path.join(self.args.out, "traces", name)
+    steps = self.args.steps
     with self.jax.profiler.trace(trace_dir, create_perfetto_trace=True):
       for _ in range(steps):
         state, _ = compiled(state, batch)

@@ -35,6 +35,10 @@ KINDS = (  # (kind, substrings of a lower-cased kernel or op name), first match 
 
 
 def kind_of(name: str) -> str:
+  # Inside a command buffer a Pallas kernel shows only its Python function's name
+  # ("_bwd_kernel", "_dw_kernel"); XLA's own kernels never start with an underscore.
+  if re.match(r"_\w*kernel", name.rsplit(": ", 1)[-1]):
+    return "Pallas / Triton"
   low = name.lower()
   for kind, keys in KINDS:
     if any(k in low for k in keys):
@@ -51,6 +55,19 @@ def load_events(trace_dir: str):
   with gzip.open(paths[-1]) as f:
     data = json.load(f)
   return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def idle_line(intervals, steps: int, longest: int = 5) -> str:
+  """Time within the kernel span when no stream runs a kernel, and its longest stretches."""
+  gaps, end = [], None
+  for start, stop in sorted(intervals):
+    if end is not None and start > end:
+      gaps.append(start - end)
+    end = stop if end is None else max(end, stop)
+  gaps.sort(reverse=True)
+  shown = ", ".join(f"{g / 1e3:.2f}" for g in gaps[:longest]) or "none"
+  return (f"device idle within the span: {sum(gaps) / 1e3 / steps:.2f} ms per step "
+          f"({len(gaps)} gaps; the longest, ms: {shown})")
 
 
 def summarize(trace_dir: str, steps: int = 1, top: int = 30) -> str:
@@ -72,6 +89,7 @@ def summarize(trace_dir: str, steps: int = 1, top: int = 30) -> str:
                                collections.Counter())
   calls = collections.Counter()
   span = [float("inf"), 0.0]
+  intervals = []
   for e in events:
     if e.get("ph") != "X" or (e.get("pid"), e.get("tid")) not in keep:
       continue
@@ -87,11 +105,13 @@ def summarize(trace_dir: str, steps: int = 1, top: int = 30) -> str:
     by_kind[kind_of(name)] += dur
     by_stream[stream] += dur
     span = [min(span[0], e["ts"]), max(span[1], e["ts"] + e.get("dur", 0.0))]
+    intervals.append((e["ts"], e["ts"] + e.get("dur", 0.0)))
   if not by_op:
     return f"{trace_dir}: no device kernels in the trace (device processes: {sorted(process.values())})"
   total = sum(by_op.values())
   lines = [f"device kernels: {total / steps:.2f} ms per step over {steps} step(s); "
            f"first-to-last kernel span {(span[1] - span[0]) / 1e3 / steps:.2f} ms per step",
+           "", idle_line(intervals, steps),
            "", "| stream | busy ms/step |", "|---|---|"]
   lines += [f"| {s} | {t / steps:.2f} |" for s, t in by_stream.most_common()]
   lines += ["", "| kind | ms/step | share |", "|---|---|---|"]
