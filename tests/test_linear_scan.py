@@ -252,6 +252,10 @@ def test_time_chunks_fill_the_gpu_only_where_the_batch_does_not():
   from pallas_kernels.rg_lru import fused
   assert fused.time_chunks(4, 8192, 2048) == 4      # Griffin 400M at T=8192: 4 x 16 blocks
   assert fused.time_chunks(16, 2048, 2048) == 1     # at T=2048 the batch fills 256 blocks
+  # Griffin 1.3B's 8-row micro-batches: 160 programs of 128 channels, too few for the Mosaic
+  # forward's 256 blocks, enough for the unchunked Triton kernels (faster there).
+  assert fused.time_chunks(8, 2048, 2560) == 1
+  assert fused.time_chunks(4, 2048, 2560) == 4      # 80 programs: chunked to 4 x 4 x 20 blocks
   assert fused.time_chunks(1, 4096, 2560) == 16     # runs of 256 (MIN_CHUNK_T)
   assert fused.time_chunks(1, 300, 2560) == 1       # 300 has no runs of 256 that divide it
 

@@ -142,8 +142,10 @@ def _backward(config, residuals, cotangents):
 rg_lru_with_config.defvjp(_forward, _backward)
 
 
-# The time-chunked schedule (``rg_lru_chunked``): rows of at least this many steps per chunk.
+# The time-chunked schedule (``rg_lru_chunked``): rows of at least this many steps per chunk,
+# and no chunks where the batch alone gives this many programs of 128 channels (time_chunks).
 MIN_CHUNK_T = 256
+UNCHUNKED_MIN_PROGRAMS = 128
 
 
 def _end_step(carries, ins):
@@ -162,9 +164,20 @@ def _carry_step(carries, ins):
 
 
 def time_chunks(batch: int, length: int, width: int) -> int:
-  """Chunks of the time axis for ``rg_lru_chunked``: doubled (while they divide ``length`` into
-  runs of at least ``MIN_CHUNK_T``) until ``batch x chunks`` rows fill ``MOSAIC_MIN_BLOCKS``
-  blocks of ``MOSAIC_BLOCK_D`` channels; 1 (the plain kernels) when the batch already does."""
+  """Chunks of the time axis for ``rg_lru_chunked``: 1 (the plain kernels) where the batch
+  alone gives the Triton kernels ``UNCHUNKED_MIN_PROGRAMS`` programs of 128 channels; else
+  doubled (while they divide ``length`` into runs of at least ``MIN_CHUNK_T``) until
+  ``batch x chunks`` rows fill ``MOSAIC_MIN_BLOCKS`` blocks of ``MOSAIC_BLOCK_D`` channels.
+
+  The chunks rescue batches too small for the kernels' blocks (Griffin 400M at 4 rows of 8192:
+  179.1 -> 172.4 ms a step on an H100, session 19). Where the batch is only short of the Mosaic
+  forward's blocks they cost more than they save: Griffin 1.3B in micro-batches of 8 rows of
+  2048 (D = 2560, 160 programs of 128 channels) took 1074.3 ms a step with 2 chunks (the Mosaic
+  forward, 256-channel backward blocks, the chunks' two extra passes) and 1061.8 ms without
+  (the Triton forward, 128-channel blocks), and compiled in 61.5 s against 109.9 (session 23,
+  one H100, same call)."""
+  if batch * -(-width // 128) >= UNCHUNKED_MIN_PROGRAMS:
+    return 1
   chunks = 1
   while (batch * chunks * -(-width // MOSAIC_BLOCK_D) < MOSAIC_MIN_BLOCKS
          and length % (2 * chunks) == 0 and length // (2 * chunks) >= MIN_CHUNK_T):
