@@ -67,12 +67,13 @@ def chunk_gla(q, k, v, log_g, h0=None, *, scale=None, reset=None, chunk_size=64,
   c = _chunk_length(chunk_size, t, platform)
   tp = -(-t // c) * c
   pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2))
-  # gla.gpu takes None (its kernels start from zeros without reading an array); the others zeros.
-  s0 = None if h0 is None else h0.astype(F32)
   counts = None if reset is None else chunk_reset_counts(pad(reset), c)
   path = dispatch.gla_path(platform, dk, dv, c, q.dtype, interpret)
-  if s0 is None and path != "gpu":
-    s0 = jnp.zeros((bsz, h, dk, dv), F32)
+  # Without h0, gla.gpu takes None (its kernels start from zeros without reading an array).
+  if h0 is not None:
+    s0 = h0.astype(F32)
+  else:
+    s0 = None if path == "gpu" else jnp.zeros((bsz, h, dk, dv), F32)
   if path in ("gpu", "gpu_xla"):
     args = (pad(q), pad(k.astype(q.dtype)), pad(v.astype(q.dtype)), pad(log_g), s0, counts)
     impl = gpu.gla if path == "gpu" else gpu_xla.gla

@@ -47,8 +47,7 @@ writes DIR/profile_<row>.md (device time by kind of kernel, the device's idle ti
 kernels and the top kernels, ``scripts/bench/profile_summary.py``), the Perfetto trace
 DIR/trace_<row>.json.gz and the compiled HLO DIR/hlo_<row>.txt (to look up what a fusion
 holds). ``--tiny`` shrinks the models, T to 64 and 128 and the steps, for a CPU check of the
-script. Sets XLA_PYTHON_CLIENT_MEM_FRACTION
-to 0.92 unless it is set.
+script. Sets XLA_PYTHON_CLIENT_MEM_FRACTION to 0.92 unless it is set.
 """
 
 import argparse
@@ -124,7 +123,8 @@ def main():
   parser.add_argument("--tiny", action="store_true", help="tiny models, for a CPU check")
   parser.add_argument("--profile", action="store_true",
                       help="also trace one more window of --steps steps of each row with "
-                           "jax.profiler and write OUT/profile_<row>.md (scripts/bench/profile_summary.py)")
+                           "jax.profiler and write OUT/profile_<row>.md "
+                           "(scripts/bench/profile_summary.py)")
   args, rest = parser.parse_known_args()
   overrides, bad = cli.split_config_flags(rest)
   if bad:

@@ -88,8 +88,7 @@ def summarize(trace_dir: str, steps: int = 1, top: int = 30) -> str:
   by_op, by_kind, by_stream = (collections.Counter(), collections.Counter(),
                                collections.Counter())
   calls = collections.Counter()
-  span = [float("inf"), 0.0]
-  intervals = []
+  intervals = []  # (start, end) of every kernel counted
   for e in events:
     if e.get("ph") != "X" or (e.get("pid"), e.get("tid")) not in keep:
       continue
@@ -104,11 +103,11 @@ def summarize(trace_dir: str, steps: int = 1, top: int = 30) -> str:
     calls[name] += 1
     by_kind[kind_of(name)] += dur
     by_stream[stream] += dur
-    span = [min(span[0], e["ts"]), max(span[1], e["ts"] + e.get("dur", 0.0))]
     intervals.append((e["ts"], e["ts"] + e.get("dur", 0.0)))
   if not by_op:
     return f"{trace_dir}: no device kernels in the trace (device processes: {sorted(process.values())})"
   total = sum(by_op.values())
+  span = (min(s for s, _ in intervals), max(e for _, e in intervals))
   lines = [f"device kernels: {total / steps:.2f} ms per step over {steps} step(s); "
            f"first-to-last kernel span {(span[1] - span[0]) / 1e3 / steps:.2f} ms per step",
            "", idle_line(intervals, steps),
