@@ -182,7 +182,7 @@ class ModelConfig:
   def resolved_gate_impl(self) -> str:
     """``auto``: the Triton gate kernels on GPUs (1.6% faster Griffin-400M training steps on an
     H100 than XLA's batched matmul, docs/performance.md), else XLA. Gate blocks that are not a
-    power of two >= 16 take the XLA path either way."""
+    multiple of 16 take the XLA path either way."""
     return _kernel_on_gpus(self.gate_impl)
 
   @property

@@ -26,6 +26,9 @@ def reference(x, w):  # float64 NumPy
     ((1, 2 * 32), (2, 32, 16), jnp.float32, 1e-5, False),    # one row
     ((2, 37, 4 * 16), (4, 16, 16), jnp.bfloat16, 2e-2, True),
     ((2, 37, 4 * 16), (4, 16, 16), jnp.bfloat16, 2e-2, False),
+    # blocks that are not powers of two, cut into sub-tiles (48 = 3 x 16, 80 = 5 x 16)
+    ((300, 3 * 48), (3, 48, 80), jnp.float32, 1e-5, True),
+    ((2, 37, 2 * 96), (2, 96, 96), jnp.bfloat16, 2e-2, True),
 ])
 def test_block_diagonal_matmul_matches_float64(shape, blocks, dtype, tol, bias):
   kx, kw, kd, kb = jax.random.split(jax.random.PRNGKey(sum(shape)), 4)
@@ -56,6 +59,8 @@ def test_block_diagonal_matmul_matches_float64(shape, blocks, dtype, tol, bias):
 @pytest.mark.parametrize("shape,blocks,dtype,tol", [
     ((300, 3 * 16), (3, 16, 32), jnp.float32, 1e-5),   # N not a multiple of any tile, I != J
     ((2, 37, 4 * 16), (4, 16, 16), jnp.bfloat16, 2e-2),
+    ((1100, 2 * 80), (2, 80, 48), jnp.float32, 1e-5),   # sub-tiles; two dw row spans
+    ((3, 50, 2 * 160), (2, 160, 160), jnp.bfloat16, 2e-2),  # Griffin 1.3B's blocks (32s)
 ])
 def test_both_gates_with_the_skip_match_float64(shape, blocks, dtype, tol):
   """The model's form: two weights on one read of x, x passed through, and the backward's dx
@@ -97,8 +102,12 @@ def test_both_gates_with_the_skip_match_float64(shape, blocks, dtype, tol):
 
 
 def test_block_diagonal_rejects_blocks_the_kernel_cannot_take():
-  assert not block_diagonal.supported(160, 160) and block_diagonal.supported(128, 128)
-  with pytest.raises(ValueError, match="powers of two"):
+  assert block_diagonal.supported(160, 160) and block_diagonal.supported(128, 128)
+  assert not block_diagonal.supported(24, 24) and not block_diagonal.supported(8, 16)
+  assert [block_diagonal.pieces(n) for n in (16, 256, 160, 48)] == [
+      [(0, 16)], [(0, 256)], [(0, 128), (128, 32)], [(0, 32), (32, 16)]]
+  assert block_diagonal.pieces(352) == [(0, 128), (128, 128), (256, 64), (320, 32)]
+  with pytest.raises(ValueError, match="multiples of 16"):
     block_diagonal.block_diagonal_matmul(jnp.zeros((4, 2 * 24)), jnp.zeros((2, 24, 24)))
   with pytest.raises(ValueError, match=r"the bias is \(32,\), not \[H, J\]"):
     block_diagonal.block_diagonal_matmul(jnp.zeros((4, 32)), jnp.zeros((2, 16, 16)),
@@ -140,7 +149,7 @@ def test_gpu_kernel_check_script_passes_every_kernel_and_flags_a_wrong_one(monke
   with pytest.raises(SystemExit) as exit_:
     check.main()
   rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
-  assert exit_.value.code == 0 and len(rows) == 20, rows
+  assert exit_.value.code == 0 and len(rows) == 22, rows
   assert all("| ok |" in row for row in rows), rows
 
   wrong = lambda x, w, b: block_diagonal.block_diagonal_matmul(x, w, b, interpret=True) * 1.01

@@ -26,13 +26,20 @@ row piece contiguous) and multiplies it by ``w[h]``:
   rows; 16 of 64 for float32) in float32 and writes one partial ``[I, J]`` and ``[J]``. The
   partials are summed outside, over ``N / 1024`` (the bias gradient was a pass of its own).
 
+Blocks whose size is not a power of two (Griffin 1.3B's 160, 7B's 352) are cut into pieces of
+powers of two up to 128, largest first (160 = 128 + 32; ``pieces``): a program still reads its
+``[rows, I]`` tile once and writes its ``[rows, J]`` tile once, as a sum of the pieces'
+products (Triton's loads and dots take powers of two only). ``dw`` then runs one program per
+input piece, grid ``(N / 1024, H, pieces)``.
+
 Triton lowering (``interpret=True``: Pallas' generic interpreter, used by the tests on the CPU).
-``I`` and ``J`` must be powers of two of at least 16 (``supported``); ``N`` is padded inside.
+``I`` and ``J`` must be multiples of 16 (``supported``); ``N`` is padded inside.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Sequence
 
 import jax
@@ -54,19 +61,51 @@ def _dw_rows(dtype) -> int:
   return _ROWS * 2 // max(jnp.dtype(dtype).itemsize, 2)
 
 
+def pieces(n: int) -> list[tuple[int, int]]:
+  """``(start, size)`` tiles along a block dimension of size ``n``: the whole of it where ``n``
+  is a power of two, else the largest powers of two up to 128 that fill it, largest first (160:
+  128 + 32). Triton's loads and dots take powers of two only."""
+  if n & (n - 1) == 0:
+    return [(0, n)]
+  out, start = [], 0
+  while start < n:
+    size = 128
+    while size > n - start:
+      size //= 2
+    out.append((start, size))
+    start += size
+  return out
+
+
 def supported(in_block: int, out_block: int) -> bool:
-  """Whether the kernels take blocks of this size (Triton's dot needs powers of two >= 16)."""
-  def ok(n):
-    return n >= 16 and n & (n - 1) == 0
-  return ok(in_block) and ok(out_block)
+  """Whether the kernels take blocks of this size: multiples of 16 (Triton's smallest dot)."""
+  return all(n >= 16 and n % 16 == 0 for n in (in_block, out_block))
+
+
+def _cols(ref, start, size):
+  """``ref[..., start:start + size]`` of a 2-D ref; the whole ref where that is all of it."""
+  return ref[...] if size == ref.shape[-1] else ref[:, pl.ds(start, size)]
+
+
+def _set_cols(ref, start, value):
+  if value.shape[-1] == ref.shape[-1]:
+    ref[...] = value
+  else:
+    ref[:, pl.ds(start, value.shape[-1])] = value
 
 
 def _matmul_kernel(x_ref, *refs, groups):
   # refs: groups weights [1, I, J], groups biases [1, J], then groups outputs [rows, J].
-  x = x_ref[...]
+  i, j = refs[0].shape[1:]
+  xs = [(a, _cols(x_ref, a, n)) for a, n in pieces(i)]  # the x tile, read once
   for w_ref, b_ref, y_ref in zip(refs[:groups], refs[groups:2 * groups], refs[2 * groups:]):
-    y = jnp.dot(x, w_ref[0], preferred_element_type=jnp.float32)
-    y_ref[...] = (y + b_ref[0, :].astype(jnp.float32)[None, :]).astype(y_ref.dtype)
+    for c, m in pieces(j):
+      y = functools.reduce(operator.add, (
+          jnp.dot(x, w_ref[0] if m == j and len(xs) == 1
+                  else w_ref[0, pl.ds(a, x.shape[1]), pl.ds(c, m)],
+                  preferred_element_type=jnp.float32) for a, x in xs))
+      y += b_ref[0, pl.ds(c, m)].astype(jnp.float32)[None, :]
+      _set_cols(y_ref, c, y.astype(y_ref.dtype))
 
 
 def _blocks(x, ws, bs, interpret):
@@ -94,12 +133,18 @@ def _dx_kernel(*refs, groups, skip):
   # [rows, I] (with skip), then dx [rows, I].
   dys, wts = refs[:groups], refs[groups:2 * groups]
   dx_ref = refs[-1]
-  acc = jnp.zeros(dx_ref.shape, jnp.float32)
-  for dy_ref, wt_ref in zip(dys, wts):
-    acc += jnp.dot(dy_ref[...], wt_ref[0], preferred_element_type=jnp.float32)
-  if skip:
-    acc += refs[2 * groups][...].astype(jnp.float32)
-  dx_ref[...] = acc.astype(dx_ref.dtype)
+  j, i = wts[0].shape[1:]
+  dy_tiles = [[(c, _cols(dy_ref, c, m)) for c, m in pieces(j)] for dy_ref in dys]
+  for a, n in pieces(i):
+    acc = jnp.zeros((dx_ref.shape[0], n), jnp.float32)
+    for tiles, wt_ref in zip(dy_tiles, wts):
+      for c, dy in tiles:
+        wt = wt_ref[0] if n == i and len(tiles) == 1 else wt_ref[0, pl.ds(c, dy.shape[1]),
+                                                               pl.ds(a, n)]
+        acc += jnp.dot(dy, wt, preferred_element_type=jnp.float32)
+    if skip:
+      acc += _cols(refs[2 * groups], a, n).astype(jnp.float32)
+    _set_cols(dx_ref, a, acc.astype(dx_ref.dtype))
 
 
 def _input_grad(dys, ws, ds, interpret):
@@ -124,21 +169,45 @@ def _input_grad(dys, ws, ds, interpret):
 
 
 def _dw_kernel(x_ref, dy_ref, dw_ref, db_ref, *, rows_per_step):
-  def body(s, carry):
-    acc, col = carry
-    rows = pl.ds(s * rows_per_step, rows_per_step)
-    dy = dy_ref[rows, :]
-    # x_rows^T dy_rows (``pl.dot`` is gone from JAX 0.12; dot_general works in both)
-    acc += jax.lax.dot_general(x_ref[rows, :], dy, (((0,), (0,)), ((), ())),
-                               preferred_element_type=jnp.float32)
-    return acc, col + jnp.sum(dy.astype(jnp.float32), axis=0)
-
+  # x_ref: [span, I], dy_ref: [span, J], dw_ref: [1, 1, I, J], db_ref: [1, 1, J]. Program k of
+  # the grid's last axis writes the rows of dw of the block's k-th input piece; the first also
+  # writes db.
   i, j = dw_ref.shape[-2:]
-  steps = _DW_SPAN // rows_per_step
-  acc, col = jax.lax.fori_loop(
-      0, steps, body, (jnp.zeros((i, j), jnp.float32), jnp.zeros((j,), jnp.float32)))
-  dw_ref[0, 0] = acc
-  db_ref[0, 0, :] = col
+  out_pieces = pieces(j)
+
+  def piece(a, n, with_db):
+    def body(s, carry):
+      accs, cols = carry
+      rows = pl.ds(s * rows_per_step, rows_per_step)
+      x = x_ref[rows, :] if n == i else x_ref[rows, pl.ds(a, n)]
+      accs, cols = list(accs), list(cols)
+      for t, (c, m) in enumerate(out_pieces):
+        dy = dy_ref[rows, :] if m == j else dy_ref[rows, pl.ds(c, m)]
+        # x_rows^T dy_rows (``pl.dot`` is gone from JAX 0.12; dot_general works in both)
+        accs[t] += jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
+        if with_db:
+          cols[t] += jnp.sum(dy.astype(jnp.float32), axis=0)
+      return tuple(accs), tuple(cols)
+
+    zeros = (tuple(jnp.zeros((n, m), jnp.float32) for _, m in out_pieces),
+             tuple(jnp.zeros((m,), jnp.float32) for _, m in out_pieces))
+    accs, cols = jax.lax.fori_loop(0, _DW_SPAN // rows_per_step, body, zeros)
+    for (c, m), acc in zip(out_pieces, accs):
+      if n == i and m == j:
+        dw_ref[0, 0] = acc
+      else:
+        dw_ref[0, 0, pl.ds(a, n), pl.ds(c, m)] = acc
+    if with_db:
+      for (c, m), col in zip(out_pieces, cols):
+        db_ref[0, 0, pl.ds(c, m)] = col
+
+  in_pieces = pieces(i)
+  if len(in_pieces) == 1:
+    piece(*in_pieces[0], True)
+    return
+  for k, (a, n) in enumerate(in_pieces):
+    pl.when(pl.program_id(2) == k)(functools.partial(piece, a, n, k == 0))
 
 
 def _weight_grads(x, dy, h, interpret):
@@ -150,11 +219,11 @@ def _weight_grads(x, dy, h, interpret):
       functools.partial(_dw_kernel, rows_per_step=_dw_rows(x.dtype)),
       out_shape=(jax.ShapeDtypeStruct((n // _DW_SPAN, h, i, j), jnp.float32),
                  jax.ShapeDtypeStruct((n // _DW_SPAN, h, j), jnp.float32)),
-      grid=(n // _DW_SPAN, h),
-      in_specs=[pl.BlockSpec((_DW_SPAN, i), lambda r, b: (r, b)),
-                pl.BlockSpec((_DW_SPAN, j), lambda r, b: (r, b))],
-      out_specs=(pl.BlockSpec((1, 1, i, j), lambda r, b: (r, b, 0, 0)),
-                 pl.BlockSpec((1, 1, j), lambda r, b: (r, b, 0))),
+      grid=(n // _DW_SPAN, h, len(pieces(i))),
+      in_specs=[pl.BlockSpec((_DW_SPAN, i), lambda r, b, k: (r, b)),
+                pl.BlockSpec((_DW_SPAN, j), lambda r, b, k: (r, b))],
+      out_specs=(pl.BlockSpec((1, 1, i, j), lambda r, b, k: (r, b, 0, 0)),
+                 pl.BlockSpec((1, 1, j), lambda r, b, k: (r, b, 0))),
       compiler_params=None if interpret else plgpu.CompilerParams(num_warps=_WARPS),
       interpret=interpret,
   )(x, dy)
@@ -200,7 +269,7 @@ def _check(x, w, b):
   if b is not None and b.shape != (h, j):
     raise ValueError(f"the bias is {b.shape}, not [H, J] = {(h, j)}")
   if not supported(i, j):
-    raise ValueError(f"blocks of {i} x {j}: the kernel needs powers of two of at least 16")
+    raise ValueError(f"blocks of {i} x {j}: the kernel needs multiples of 16")
 
 
 def block_diagonal_matmul(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
