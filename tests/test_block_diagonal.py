@@ -117,9 +117,10 @@ def test_block_diagonal_rejects_blocks_the_kernel_cannot_take():
                                             [jnp.zeros((2, 16))])
 
 
-def test_griffin_with_the_gate_kernel_equals_the_xla_gates():
+@pytest.mark.parametrize("lru_width", [32, 96])  # blocks of 16; of 48 (pieces 32 + 16)
+def test_griffin_with_the_gate_kernel_equals_the_xla_gates(lru_width):
   cfg = model_lib.ModelConfig(family="griffin", vocab_size=41, width=32, num_layers=3,
-                              num_heads=2, lru_width=32, mlp_expanded_width=48,
+                              num_heads=2, lru_width=lru_width, mlp_expanded_width=48,
                               attention_window_size=4, dtype="float32", scan_impl="xla_linear")
   tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 11), 0, 41)
   pos = jnp.stack([jnp.arange(11), jnp.concatenate([jnp.arange(4), jnp.arange(7)])])
