@@ -26,7 +26,7 @@ def reference(x, w):  # float64 NumPy
     ((1, 2 * 32), (2, 32, 16), jnp.float32, 1e-5, False),    # one row
     ((2, 37, 4 * 16), (4, 16, 16), jnp.bfloat16, 2e-2, True),
     ((2, 37, 4 * 16), (4, 16, 16), jnp.bfloat16, 2e-2, False),
-    # blocks that are not powers of two, cut into sub-tiles (48 = 3 x 16, 80 = 5 x 16)
+    # blocks that are not powers of two, cut into pieces (48 = 32 + 16, 80 = 64 + 16)
     ((300, 3 * 48), (3, 48, 80), jnp.float32, 1e-5, True),
     ((2, 37, 2 * 96), (2, 96, 96), jnp.bfloat16, 2e-2, True),
 ])
@@ -59,8 +59,8 @@ def test_block_diagonal_matmul_matches_float64(shape, blocks, dtype, tol, bias):
 @pytest.mark.parametrize("shape,blocks,dtype,tol", [
     ((300, 3 * 16), (3, 16, 32), jnp.float32, 1e-5),   # N not a multiple of any tile, I != J
     ((2, 37, 4 * 16), (4, 16, 16), jnp.bfloat16, 2e-2),
-    ((1100, 2 * 80), (2, 80, 48), jnp.float32, 1e-5),   # sub-tiles; two dw row spans
-    ((3, 50, 2 * 160), (2, 160, 160), jnp.bfloat16, 2e-2),  # Griffin 1.3B's blocks (32s)
+    ((1100, 2 * 80), (2, 80, 48), jnp.float32, 1e-5),   # pieces; two dw row spans
+    ((3, 50, 2 * 160), (2, 160, 160), jnp.bfloat16, 2e-2),  # Griffin 1.3B's blocks (128 + 32)
 ])
 def test_both_gates_with_the_skip_match_float64(shape, blocks, dtype, tol):
   """The model's form: two weights on one read of x, x passed through, and the backward's dx

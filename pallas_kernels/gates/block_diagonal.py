@@ -87,6 +87,12 @@ def _cols(ref, start, size):
   return ref[...] if size == ref.shape[-1] else ref[:, pl.ds(start, size)]
 
 
+def _weight(ref, a, n, c, m):
+  """Rows ``a:a+n`` and columns ``c:c+m`` of a ``[1, I, J]`` weight ref; the whole where that
+  is all of it."""
+  return ref[0] if (n, m) == ref.shape[1:] else ref[0, pl.ds(a, n), pl.ds(c, m)]
+
+
 def _set_cols(ref, start, value):
   if value.shape[-1] == ref.shape[-1]:
     ref[...] = value
@@ -101,9 +107,8 @@ def _matmul_kernel(x_ref, *refs, groups):
   for w_ref, b_ref, y_ref in zip(refs[:groups], refs[groups:2 * groups], refs[2 * groups:]):
     for c, m in pieces(j):
       y = functools.reduce(operator.add, (
-          jnp.dot(x, w_ref[0] if m == j and len(xs) == 1
-                  else w_ref[0, pl.ds(a, x.shape[1]), pl.ds(c, m)],
-                  preferred_element_type=jnp.float32) for a, x in xs))
+          jnp.dot(x, _weight(w_ref, a, x.shape[1], c, m), preferred_element_type=jnp.float32)
+          for a, x in xs))
       y += b_ref[0, pl.ds(c, m)].astype(jnp.float32)[None, :]
       _set_cols(y_ref, c, y.astype(y_ref.dtype))
 
@@ -139,9 +144,8 @@ def _dx_kernel(*refs, groups, skip):
     acc = jnp.zeros((dx_ref.shape[0], n), jnp.float32)
     for tiles, wt_ref in zip(dy_tiles, wts):
       for c, dy in tiles:
-        wt = wt_ref[0] if n == i and len(tiles) == 1 else wt_ref[0, pl.ds(c, dy.shape[1]),
-                                                               pl.ds(a, n)]
-        acc += jnp.dot(dy, wt, preferred_element_type=jnp.float32)
+        acc += jnp.dot(dy, _weight(wt_ref, c, dy.shape[1], a, n),
+                       preferred_element_type=jnp.float32)
     if skip:
       acc += _cols(refs[2 * groups], a, n).astype(jnp.float32)
     _set_cols(dx_ref, a, acc.astype(dx_ref.dtype))

@@ -75,7 +75,7 @@ def cases(tiny: bool):
   def gates_reference(x, w_x, w_a, b_x, b_a):
     return (x, _block_diagonal_reference(x, w_x, b_x), _block_diagonal_reference(x, w_a, b_a))
 
-  # Griffin 400M's blocks of 128, then 1.3B's of 160 (sub-tiles of 32), 8 x 2048 rows
+  # Griffin 400M's blocks of 128, then 1.3B's of 160 (pieces of 128 + 32), 8 x 2048 rows
   for n, h, i, j in (bd, (64, 2, 48, 48) if tiny else (16384, 16, 160, 160)):
     yield ("gates_with_skip", gates, gates_reference,
            [("x", (n, h * i))] + [("param", (h, i, j))] * 2 + [("param", (h, j))] * 2)
