@@ -47,7 +47,9 @@ writes DIR/profile_<row>.md (device time by kind of kernel, the device's idle ti
 kernels and the top kernels, ``scripts/bench/profile_summary.py``), the Perfetto trace
 DIR/trace_<row>.json.gz and the compiled HLO DIR/hlo_<row>.txt (to look up what a fusion
 holds). ``--tiny`` shrinks the models, T to 64 and 128 and the steps, for a CPU check of the
-script. Sets XLA_PYTHON_CLIENT_MEM_FRACTION to 0.92 unless it is set.
+script. Sets XLA_PYTHON_CLIENT_MEM_FRACTION to 0.92 unless it is set. Each row also reports the
+GPU's SM clock and board power through its timed windows (``timing.GpuClocks``): an H100 at its
+700 W cap clocks well below the rate its peak assumes (docs/performance.md).
 """
 
 import argparse
@@ -293,12 +295,14 @@ class Bench:
       jax.block_until_ready(state)
       times.append(time.perf_counter() - t)
     window_means = []
-    for _ in range(3):  # as train.py runs: steps dispatched back to back, one wait at the end
-      t = time.perf_counter()
-      for _ in range(self.args.steps):
-        state, metrics = compiled(state, batch)
-      jax.block_until_ready(state)
-      window_means.append((time.perf_counter() - t) / self.args.steps)
+    import timing  # pylint: disable=g-import-not-at-top  (scripts/bench/; imports jax)
+    with timing.GpuClocks() as clocks:  # the SM clock and power through the timed windows
+      for _ in range(3):  # as train.py runs: steps dispatched back to back, one wait at the end
+        t = time.perf_counter()
+        for _ in range(self.args.steps):
+          state, metrics = compiled(state, batch)
+        jax.block_until_ready(state)
+        window_means.append((time.perf_counter() - t) / self.args.steps)
     loss = float(metrics["loss"])
     if self.args.profile:
       state = self.profile(compiled, state, batch, name)
@@ -307,7 +311,7 @@ class Bench:
                    "step_s": statistics.median(window_means),
                    "step_blocked_s": statistics.median(times),
                    "step_times_s": times, "window_means_s": window_means, "loss": loss,
-                   "memory_gib": memory}
+                   "memory_gib": memory, "clocks": clocks.summary()}
 
   def profile(self, compiled, state, batch, name):
     """Traces one more timed window (``--steps`` steps dispatched back to back, one wait);
@@ -498,10 +502,13 @@ class Bench:
     if ok:
       mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
       blocked = f"{1e3 * r['step_blocked_s']:.1f}" if r.get("step_blocked_s") else "-"
+      c = r.get("clocks")
+      clock = (f"{c['sm_clock_mhz']:.0f} MHz, {c['power_w']:.0f} W"
+               f"{' (cap)' if c['power_capped'] >= 0.5 else ''}" if c else "-")
       cells = [f"{r['compile_s']:.1f}", f"{1e3 * r['step_s']:.1f}", blocked,
-               f"{r['tokens_per_s']:,.0f}", mfu]
+               f"{r['tokens_per_s']:,.0f}", mfu, clock]
     else:
-      cells = ["-", r["status"], "-", "-", "-"]
+      cells = ["-", r["status"], "-", "-", "-", "-"]
     return (f"| {r['model']} | {r['size']} | {params} | {r['seq_len']} | {r['rows']} | {micro} "
             f"| {r['tokens_per_step']:,} | {r.get('remat', '-')} | {mem} | "
             + " | ".join(cells) + " |")
@@ -511,8 +518,9 @@ class Bench:
     peak = f"{res['peak_flops'] / 1e12:.0f} TFLOP/s bf16 peak" if res["peak_flops"] else \
         "peak FLOP/s unknown: no MFU"
     head = ("| model | size | params | T | rows | micro-batch rows x count | tokens/step | remat "
-            "| compiled GiB | compile (s) | step (ms) | blocked (ms) | tokens/s | MFU |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            "| compiled GiB | compile (s) | step (ms) | blocked (ms) | tokens/s | MFU "
+            "| SM clock, power |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [f"Device {res['device']} ({peak}), jax {res['jax']}, {res['date']}; command "
              f"`{res['command']}`.", "",
              f"bfloat16 compute, float32 parameters and AdamW state, random tokens made on the "
@@ -520,7 +528,11 @@ class Bench:
              f"{args.steps} steps dispatched back to back (as train.py runs; 'blocked': the "
              f"median of {args.steps} steps each timed to `block_until_ready`). MFU = "
              f"flops.train_flops_per_token (6 x matmul parameters + causal attention) x tokens/s "
-             f"/ peak. compiled GiB: arguments + outputs + temporaries of the compiled step."]
+             f"/ peak. compiled GiB: arguments + outputs + temporaries of the compiled step. "
+             f"SM clock, power: the median SM clock and the mean board power through the timed "
+             f"windows (nvidia-smi every 100 ms; '(cap)': throttled by the power cap in most "
+             f"samples; '-': not sampled). The peak assumes the tensor cores at their rated "
+             f"clock (1830 MHz on an H100 SXM)."]
     if res["anchor"]:
       official = next((r for r in res["anchor"] if r["impl"] == "official"), {})
       arch = ("tiny stand-in (--tiny)" if args.tiny else
