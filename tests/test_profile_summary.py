@@ -60,3 +60,37 @@ def test_summary_names_a_directory_without_a_trace(tmp_path):
     assert str(tmp_path) in str(e) and "create_perfetto_trace=True" in str(e)
   else:
     raise AssertionError("no error for a directory without a trace")
+
+
+def test_our_triton_kernels_lower_with_the_names_the_summary_counts_as_pallas():
+  # Lowered for CUDA on this CPU machine: each of our Triton kernels carries a name of its own
+  # (two of them were both "_bwd_kernel" in a profile), and kind_of files every one under Pallas.
+  import re  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import helpers  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import conv1d, gates, mlp, norm  # pylint: disable=g-import-not-at-top
+
+  f32, bf16 = jnp.float32, jnp.bfloat16
+  spec = jax.ShapeDtypeStruct
+  square = lambda outs: sum(jnp.sum(o.astype(f32) ** 2) for o in jax.tree.leaves(outs))
+  cases = [
+      (lambda x, w1, w2, b1, b2: gates.block_diagonal_with_skip(x, (w1, w2), (b1, b2)),
+       (spec((256, 4 * 32), bf16), spec((4, 32, 32), f32), spec((4, 32, 32), f32),
+        spec((4, 32), f32), spec((4, 32), f32))),
+      (lambda x, s: norm.rms_norm_with_skip(x, s, eps=1e-6), (spec((64, 256), bf16),
+                                                               spec((256,), f32))),
+      (lambda x, w, b, doc: conv1d.causal_conv1d(x, w, b, doc),
+       (spec((2, 64, 256), bf16), spec((4, 256), f32), spec((256,), f32),
+        spec((2, 64), jnp.int32))),
+      (lambda up, b: mlp.gated_gelu(up, b), (spec((64, 2, 256), bf16), spec((2, 256), f32))),
+  ]
+  names = []
+  for fn, args in cases:
+    floats = tuple(i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating))
+    grad = jax.grad(lambda *a, fn=fn: square(fn(*a)), argnums=floats)
+    names += re.findall(r'name = "(pallas_\w+)"', helpers.lower_for_cuda(grad, *args))
+  assert set(names) == {"pallas_gates_fwd", "pallas_gates_dx", "pallas_gates_dw",
+                        "pallas_rms_norm_bwd", "pallas_conv1d_bwd", "pallas_mlp_gating_bwd"}
+  for name in names + ["pallas_rg_lru_forward_step", "pallas_rg_lru_backward_step"]:
+    assert profile_summary.kind_of(name) == "Pallas / Triton", name

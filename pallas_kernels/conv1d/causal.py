@@ -127,6 +127,7 @@ def _backward_kernel(x, w, doc, dy, interpret):
   blocks = pl.cdiv(t, _ROWS)
   dx, partials = pl.pallas_call(
       functools.partial(_bwd_kernel, T=t, width=width, cols=cols),
+      name="pallas_conv1d_bwd",
       out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype),
                  jax.ShapeDtypeStruct((bsz, blocks, width + 1, d), jnp.float32)),
       grid=(bsz, blocks, d // cols),

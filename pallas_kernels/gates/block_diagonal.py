@@ -123,6 +123,7 @@ def _blocks(x, ws, bs, interpret):
   y_spec = pl.BlockSpec((_ROWS, j), lambda r, k: (r, k))
   return pl.pallas_call(
       functools.partial(_matmul_kernel, groups=groups),
+      name="pallas_gates_fwd",
       out_shape=[jax.ShapeDtypeStruct((n, h * j), x.dtype)] * groups,
       grid=(n // _ROWS, h),
       in_specs=[pl.BlockSpec((_ROWS, i), lambda r, k: (r, k))] + [w_spec] * groups
@@ -163,6 +164,7 @@ def _input_grad(dys, ws, ds, interpret):
   extra = [] if ds is None else [ds]
   return pl.pallas_call(
       functools.partial(_dx_kernel, groups=groups, skip=ds is not None),
+      name="pallas_gates_dx",
       out_shape=jax.ShapeDtypeStruct((n, h * i), dtype),
       grid=(n // _ROWS, h),
       in_specs=[tile(j)] * groups + [wt_spec] * groups + [tile(i)] * len(extra),
@@ -221,6 +223,7 @@ def _weight_grads(x, dy, h, interpret):
   i, j = x.shape[1] // h, dy.shape[1] // h
   dw, db = pl.pallas_call(
       functools.partial(_dw_kernel, rows_per_step=_dw_rows(x.dtype)),
+      name="pallas_gates_dw",
       out_shape=(jax.ShapeDtypeStruct((n // _DW_SPAN, h, i, j), jnp.float32),
                  jax.ShapeDtypeStruct((n // _DW_SPAN, h, j), jnp.float32)),
       grid=(n // _DW_SPAN, h, len(pieces(i))),

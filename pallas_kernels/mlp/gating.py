@@ -91,6 +91,7 @@ def _backward_kernel(up, bias, dh, interpret):
   branch = lambda c: pl.BlockSpec((_ROWS, None, cols), lambda i, j: (i, c, j))
   dup, partials = pl.pallas_call(
       _bwd_kernel,
+      name="pallas_mlp_gating_bwd",
       out_shape=(jax.ShapeDtypeStruct((rows, 2, m), up.dtype),
                  jax.ShapeDtypeStruct((rows // _ROWS, 2, m), jnp.float32)),
       grid=(rows // _ROWS, m // cols),

@@ -99,6 +99,7 @@ def _backward_kernel(x, scale, ds, dn, eps, interpret):
   blocks = pl.cdiv(n, _ROWS)
   dx, partials = pl.pallas_call(
       functools.partial(_bwd_kernel, n=n, d=d, cols=cols, eps=eps),
+      name="pallas_rms_norm_bwd",
       out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype),
                  jax.ShapeDtypeStruct((blocks, d), jnp.float32)),
       grid=(blocks,),

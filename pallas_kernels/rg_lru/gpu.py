@@ -58,6 +58,8 @@ def gpu_scan(step, streams, carries0, *, out_dtypes, reverse, config, lookahead,
       eviction=config.gpu_eviction, prefetch=config.gpu_prefetch or 1)
   results = pl.pallas_call(
       kernel,
+      # named by its step ("pallas_rg_lru_forward_step"): a profile tells the passes apart
+      name=f"pallas_rg_lru_{getattr(step, '__name__', 'scan').strip('_')}",
       out_shape=out_shape,
       grid=(B, pl.cdiv(D, block_d)),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),

@@ -80,6 +80,7 @@ def tpu_scan(step, streams, carries0, *, out_dtypes, reverse, config, lookahead,
       slabs_per_block=slabs_per_block)
   results = pl.pallas_call(
       kernel,
+      name=f"pallas_rg_lru_{getattr(step, '__name__', 'scan').strip('_')}",
       out_shape=out_shape,
       grid=(nb, nd, nt),
       in_specs=in_specs,

@@ -8,7 +8,9 @@ processes (``/device:GPU:*``, ``/device:TPU:*``; their kernels) and prints, per 
 divided by ``--steps``): the busy time of each device stream, the time by kind of kernel (matmul,
 attention, Pallas/Triton, collectives, copies, other fusions) and the top kernels. Kernel names
 are shown with their HLO op where the trace records it (``hlo_op``; XLA's GPU command buffers
-hide it: profile with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` to see it).
+hide it: profile with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` to see it). This package's
+Pallas kernels are named for what they do (``pallas_gates_dx``, ``pallas_rms_norm_bwd``,
+``pallas_rg_lru_backward_step``, ...): their own lines in the table of kernels.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ KINDS = (  # (kind, substrings of a lower-cased kernel or op name), first match 
 
 
 def kind_of(name: str) -> str:
-  # Inside a command buffer a Pallas kernel shows only its Python function's name
-  # ("_bwd_kernel", "_dw_kernel"); XLA's own kernels never start with an underscore.
+  # Inside a command buffer a Pallas kernel shows only its name: ours "pallas_..." (matched
+  # below), an unnamed one its Python function's ("_bwd_kernel", "_dw_kernel"; XLA's own
+  # kernels never start with an underscore).
   if re.match(r"_\w*kernel", name.rsplit(": ", 1)[-1]):
     return "Pallas / Triton"
   low = name.lower()
