@@ -70,6 +70,7 @@ def test_our_triton_kernels_lower_with_the_names_the_summary_counts_as_pallas():
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import helpers  # pylint: disable=g-import-not-at-top
   from pallas_kernels import conv1d, gates, mlp, norm  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.rg_lru import blocked, fused  # pylint: disable=g-import-not-at-top
 
   f32, bf16 = jnp.float32, jnp.bfloat16
   spec = jax.ShapeDtypeStruct
@@ -84,6 +85,10 @@ def test_our_triton_kernels_lower_with_the_names_the_summary_counts_as_pallas():
        (spec((2, 64, 256), bf16), spec((4, 256), f32), spec((256,), f32),
         spec((2, 64), jnp.int32))),
       (lambda up, b: mlp.gated_gelu(up, b), (spec((64, 2, 256), bf16), spec((2, 256), f32))),
+      (lambda x, gx, ga, a, reset, h0: fused.rg_lru_with_config(  # the Triton RG-LRU passes
+          x, gx, ga, a, reset, h0, blocked.ScanConfig(backend="gpu")),
+       (spec((2, 64, 256), bf16), spec((2, 64, 256), bf16), spec((2, 64, 256), bf16),
+        spec((256,), f32), spec((2, 64), f32), spec((2, 256), f32))),
   ]
   names = []
   for fn, args in cases:
@@ -91,6 +96,7 @@ def test_our_triton_kernels_lower_with_the_names_the_summary_counts_as_pallas():
     grad = jax.grad(lambda *a, fn=fn: square(fn(*a)), argnums=floats)
     names += re.findall(r'name = "(pallas_\w+)"', helpers.lower_for_cuda(grad, *args))
   assert set(names) == {"pallas_gates_fwd", "pallas_gates_dx", "pallas_gates_dw",
-                        "pallas_rms_norm_bwd", "pallas_conv1d_bwd", "pallas_mlp_gating_bwd"}
-  for name in names + ["pallas_rg_lru_forward_step", "pallas_rg_lru_backward_step"]:
+                        "pallas_rms_norm_bwd", "pallas_conv1d_bwd", "pallas_mlp_gating_bwd",
+                        "pallas_rg_lru_forward_step", "pallas_rg_lru_backward_step"}
+  for name in names:
     assert profile_summary.kind_of(name) == "Pallas / Triton", name

@@ -17,6 +17,7 @@ traces into the Mosaic (TPU) and the Triton (GPU) kernel bodies.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable, Sequence
 
 import jax
@@ -82,8 +83,12 @@ def blocked_scan(
   Returns:
     ``(outputs, carries)``: the ``[B, T, D]`` outputs and the final ``[B, D]`` float32 carries.
   """
+  # The kernel is named by its step ("pallas_rg_lru_forward_step"): a profile tells the
+  # passes apart.
+  step_name = re.sub(r"\W", "", getattr(step, "__name__", "")).strip("_")
+  name = f"pallas_rg_lru_{step_name or 'scan'}"
   kwargs = dict(out_dtypes=tuple(out_dtypes), reverse=reverse, config=config,
-                lookahead=lookahead, rows=tuple(rows), params=tuple(params))
+                lookahead=lookahead, rows=tuple(rows), params=tuple(params), name=name)
   if config.backend == "gpu":
     return gpu.gpu_scan(step, tuple(streams), tuple(carries0), **kwargs)
   return tpu.tpu_scan(step, tuple(streams), tuple(carries0), **kwargs)

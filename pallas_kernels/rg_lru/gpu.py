@@ -33,7 +33,8 @@ def _next_power_of_2(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
-def gpu_scan(step, streams, carries0, *, out_dtypes, reverse, config, lookahead, rows, params):
+def gpu_scan(step, streams, carries0, *, out_dtypes, reverse, config, lookahead, rows, params,
+             name="pallas_rg_lru_scan"):
   """``blocked.blocked_scan`` on GPU (arguments and results as documented there)."""
   B, T, D = streams[0].shape
   n_loaded = len(streams) + (lookahead is not None)
@@ -58,8 +59,7 @@ def gpu_scan(step, streams, carries0, *, out_dtypes, reverse, config, lookahead,
       eviction=config.gpu_eviction, prefetch=config.gpu_prefetch or 1)
   results = pl.pallas_call(
       kernel,
-      # named by its step ("pallas_rg_lru_forward_step"): a profile tells the passes apart
-      name=f"pallas_rg_lru_{getattr(step, '__name__', 'scan').strip('_')}",
+      name=name,
       out_shape=out_shape,
       grid=(B, pl.cdiv(D, block_d)),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),

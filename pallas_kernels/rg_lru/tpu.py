@@ -30,7 +30,8 @@ def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
-def tpu_scan(step, streams, carries0, *, out_dtypes, reverse, config, lookahead, rows, params):
+def tpu_scan(step, streams, carries0, *, out_dtypes, reverse, config, lookahead, rows, params,
+             name="pallas_rg_lru_scan"):
   """``blocked.blocked_scan`` on TPU (arguments and results as documented there)."""
   B, T, D = streams[0].shape
   f32 = jnp.float32
@@ -80,7 +81,7 @@ def tpu_scan(step, streams, carries0, *, out_dtypes, reverse, config, lookahead,
       slabs_per_block=slabs_per_block)
   results = pl.pallas_call(
       kernel,
-      name=f"pallas_rg_lru_{getattr(step, '__name__', 'scan').strip('_')}",
+      name=name,
       out_shape=out_shape,
       grid=(nb, nd, nt),
       in_specs=in_specs,
