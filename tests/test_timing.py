@@ -59,3 +59,12 @@ def test_gpu_clocks_without_nvidia_smi_runs_the_block_unsampled(tmp_path, monkey
   with timing.GpuClocks() as clocks:
     ran = True
   assert ran and clocks.summary() is None
+
+
+def test_clock_cell_marks_the_power_cap():
+  capped = timing.clock_summary(["1590, 683.5, 0x4", "1620, 690.0, 0x4", "1980, 300.0, 0x0"])
+  assert timing.clock_cell(capped) == "1620 MHz, 558 W (cap)"
+  free = timing.clock_summary(["1980, 300.4, 0x0", "1965, 310.0, 0x4"])
+  assert timing.clock_cell(free) == "1972 MHz, 305 W (cap)"  # half the samples: still marked
+  assert timing.clock_cell(timing.clock_summary(["1980, 300.4, 0x0"])) == "1980 MHz, 300 W"
+  assert timing.clock_cell(None) == "-"

@@ -27,7 +27,9 @@ paper's Fig. 1(b) and Fig. 4 protocol), with random weights of a given preset si
 
 Each timing is the median of ``--repeats`` runs of the decode loop compiled ahead of time
 (``sampling.compiled_sampler``: compilation is not timed and the loop is not run an extra time to
-warm up). ``--deadline S`` starts no new measurement after S seconds. Writes DIR/decode.md and
+warm up); each throughput run also gives the GPU's median SM clock and mean power through its
+timed runs (``timing.GpuClocks``). ``--deadline S`` starts no new measurement after S seconds.
+Writes DIR/decode.md and
 DIR/decode.json after every measurement. ``--tiny`` shrinks the models (for a CPU check of the
 script).
 """
@@ -89,11 +91,12 @@ def main():
       if need > budget:
         raise OverBudget(f"needs {need:.3g} GiB, over the {budget:g} GiB budget")
     times = []
-    for _ in range(args.repeats):
-      start = time.perf_counter()
-      jax.block_until_ready(run(*run_args))
-      times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    with timing.GpuClocks() as clocks:  # the SM clock and power through the timed runs
+      for _ in range(args.repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(run(*run_args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), clocks.summary()
 
   def out_of_memory(e):
     return isinstance(e, OverBudget) or "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in str(e)
@@ -117,7 +120,7 @@ def main():
       for new in new_counts:
         if out_of_time():
           break
-        seconds = timed(model, args.latency_batch, prefill, new)
+        seconds, _ = timed(model, args.latency_batch, prefill, new)
         results["latency"].append(dict(family=family, prefill=prefill, new=new,
                                        batch=args.latency_batch, seconds=seconds,
                                        **floor(args.latency_batch, prefill, new)))
@@ -129,7 +132,7 @@ def main():
         if out_of_time():
           break
         try:
-          seconds = timed(model, batch, 1, new, budget=args.hbm_budget_gb)
+          seconds, clocks = timed(model, batch, 1, new, budget=args.hbm_budget_gb)
         except Exception as e:  # pylint: disable=broad-except  (only running out of memory ends it)
           if not out_of_memory(e):
             raise
@@ -142,7 +145,7 @@ def main():
         rate = batch * new / seconds
         print(f"throughput {family} new={new} batch={batch}: {rate:,.0f} tokens/s", flush=True)
         results["runs"].append(dict(family=family, new=new, batch=batch, tokens_per_sec=rate,
-                                    seconds=seconds, **floor(batch, 1, new)))
+                                    seconds=seconds, clocks=clocks, **floor(batch, 1, new)))
         write(results)
         if best is None or rate > best["tokens_per_sec"]:
           best = results["runs"][-1]
@@ -252,6 +255,7 @@ def plot(results) -> None:
 
 def write(results):
   """Writes DIR/decode.md and DIR/decode.json; returns the markdown."""
+  import timing  # pylint: disable=g-import-not-at-top  (scripts/bench/, beside this file)
   budget = (f"; batches needing over {results['hbm_budget_gb']:g} GiB count as out of memory"
             if results.get("hbm_budget_gb") else "")
   lines = [f"Device {results['device']}, jax {results['jax']}, {results['date']}; "
@@ -269,17 +273,19 @@ def write(results):
     ratio = f"{r['tokens_per_sec'] / base[r['new']]:.2f}x" if r["new"] in base else ""
     lines.append(f"| {r['family']} | {r['new']} | {r['batch']} | {r['tokens_per_sec']:,.0f} | "
                  f"{ratio} | {r['batch'] * r['new'] / r['floor_s']:,.0f} | {_fraction(r)} |")
-  lines += ["", "Every throughput run (GFLOP and GB per decoding step, averaged over the steps):",
-            "", "| family | new tokens | batch | tokens/s | GFLOP/step | GB/step | reached |",
-            "|---|---|---|---|---|---|---|"]
+  lines += ["", "Every throughput run (GFLOP and GB per decoding step, averaged over the steps; "
+            "the GPU's median SM clock and mean power through the timed runs, '(cap)' where "
+            "the power cap throttled it):",
+            "", "| family | new tokens | batch | tokens/s | GFLOP/step | GB/step | reached "
+            "| SM clock, power |", "|---|---|---|---|---|---|---|---|"]
   for r in results["runs"]:
     if r["tokens_per_sec"] is None:
       lines.append(f"| {r['family']} | {r['new']} | {r['batch']} | {r.get('status', 'out of memory')}"
-                   " | - | - | - |")
+                   " | - | - | - | - |")
     else:
       lines.append(f"| {r['family']} | {r['new']} | {r['batch']} | {r['tokens_per_sec']:,.0f} | "
                    f"{r['flops_per_step'] / 1e9:,.0f} | {r['bytes_per_step'] / 1e9:.2f} | "
-                   f"{_fraction(r)} |")
+                   f"{_fraction(r)} | {timing.clock_cell(r.get('clocks'))} |")
   text = "\n".join(lines)
   with open(os.path.join(results["out"], "decode.md"), "w") as f:
     f.write(text + "\n")

@@ -502,11 +502,9 @@ class Bench:
     if ok:
       mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
       blocked = f"{1e3 * r['step_blocked_s']:.1f}" if r.get("step_blocked_s") else "-"
-      c = r.get("clocks")
-      clock = (f"{c['sm_clock_mhz']:.0f} MHz, {c['power_w']:.0f} W"
-               f"{' (cap)' if c['power_capped'] >= 0.5 else ''}" if c else "-")
+      import timing  # pylint: disable=g-import-not-at-top  (scripts/bench/)
       cells = [f"{r['compile_s']:.1f}", f"{1e3 * r['step_s']:.1f}", blocked,
-               f"{r['tokens_per_s']:,.0f}", mfu, clock]
+               f"{r['tokens_per_s']:,.0f}", mfu, timing.clock_cell(r.get("clocks"))]
     else:
       cells = ["-", r["status"], "-", "-", "-", "-"]
     return (f"| {r['model']} | {r['size']} | {params} | {r['seq_len']} | {r['rows']} | {micro} "

@@ -67,6 +67,15 @@ def clock_summary(lines: list[str]) -> dict | None:
           "power_capped": capped / len(clocks)}
 
 
+def clock_cell(summary: dict | None) -> str:
+  """A table cell for ``clock_summary``'s result: "1605 MHz, 691 W (cap)", "(cap)" where the
+  power cap throttled most samples; "-" without one."""
+  if not summary:
+    return "-"
+  cap = " (cap)" if summary["power_capped"] >= 0.5 else ""
+  return f"{summary['sm_clock_mhz']:.0f} MHz, {summary['power_w']:.0f} W{cap}"
+
+
 class GpuClocks:
   """Samples the GPU's SM clock, board power and throttle reasons every ``period_ms``
   (``nvidia-smi --loop-ms``) while the ``with`` block runs; ``summary()`` after it. An H100 at
