@@ -34,7 +34,7 @@ def _next_power_of_2(n: int) -> int:
 
 
 def gpu_scan(step, streams, carries0, *, out_dtypes, reverse, config, lookahead, rows, params,
-             name="pallas_rg_lru_scan"):
+             name):
   """``blocked.blocked_scan`` on GPU (arguments and results as documented there)."""
   B, T, D = streams[0].shape
   n_loaded = len(streams) + (lookahead is not None)

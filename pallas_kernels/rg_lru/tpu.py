@@ -31,7 +31,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def tpu_scan(step, streams, carries0, *, out_dtypes, reverse, config, lookahead, rows, params,
-             name="pallas_rg_lru_scan"):
+             name):
   """``blocked.blocked_scan`` on TPU (arguments and results as documented there)."""
   B, T, D = streams[0].shape
   f32 = jnp.float32

@@ -29,9 +29,8 @@ Each timing is the median of ``--repeats`` runs of the decode loop compiled ahea
 (``sampling.compiled_sampler``: compilation is not timed and the loop is not run an extra time to
 warm up); each throughput run also gives the GPU's median SM clock and mean power through its
 timed runs (``timing.GpuClocks``). ``--deadline S`` starts no new measurement after S seconds.
-Writes DIR/decode.md and
-DIR/decode.json after every measurement. ``--tiny`` shrinks the models (for a CPU check of the
-script).
+Writes DIR/decode.md and DIR/decode.json after every measurement. ``--tiny`` shrinks the models
+(for a CPU check of the script).
 """
 
 import argparse
