@@ -4,7 +4,8 @@ accuracy at the training length and beyond it.
 
   python scripts/synthetic.py --out DIR [--tasks selective_copying,induction_heads]
       [--models mqa,hawk,griffin] [--steps TASK=N,...] [--parallel N]
-      [--lengths TASK=L1,L2,...] [--eval_rows 512] [--time_limit SECONDS] [--tiny]
+      [--lengths TASK=L1,L2,...] [--eval_rows 512] [--time_limit SECONDS] [--every_checkpoint]
+      [--tiny]
       [--config.FIELD=VALUE ...]   (passed to every training run, e.g. --config.batch_size=16)
 
 Each run is ``scripts/train.py --config configs/synthetic.py:TASK`` in ``DIR/TASK/MODEL`` (its
@@ -14,7 +15,9 @@ runs that many trainings at once (the models are tiny; on a GPU they share it);
 its step and exits; rerun to continue). Then each latest checkpoint is evaluated on ``--eval_rows`` held-out rows per length. Writes (rewritten after each evaluated run) ``DIR/synthetic.md``
 (the table), ``DIR/synthetic.json``, ``DIR/learning.png`` (held-out answer accuracy against
 training step, Fig. 6(a)) and ``DIR/lengths.png`` (accuracy against evaluation length,
-Fig. 6(b)). ``--tiny`` (a CPU check of the script): few steps, short rows.
+Fig. 6(b)). ``--every_checkpoint`` also evaluates each kept checkpoint at every length (how
+accuracy beyond the training length moves during training). ``--tiny`` (a CPU check of the
+script): few steps, short rows.
 
   python scripts/synthetic.py --out DIR --merge DIR1,DIR2,...
 
@@ -56,7 +59,7 @@ def _per_task(text, cast):
 
 
 def train_overrides(task, model, args):
-  over = [f"--config.model.block_types={MODELS[model]}", *args.config_overrides]
+  over = [f"--config.model.block_types={MODELS[model]}"]
   if task in args.steps:
     over.append(f"--config.total_steps={args.steps[task]}")
   if args.tiny:
@@ -67,7 +70,7 @@ def train_overrides(task, model, args):
              f"--config.data.eval_tokens={8 * seq}"]
     if task not in args.steps:
       over.append("--config.total_steps=20")
-  return over
+  return over + list(args.config_overrides)  # the caller's --config.* last: they win
 
 
 def train_all(runs, args):
@@ -106,6 +109,8 @@ def train_all(runs, args):
 
 
 def accuracy_at_lengths(task, model, workdir, lengths, args):
+  """{length: held-out answer accuracy} of the model saved in ``workdir`` (a training workdir:
+  its latest checkpoint; or one step's checkpoint directory)."""
   from recurrentgemma_jax import checkpoint, configlib, data, evaluation  # pylint: disable=g-import-not-at-top
   config = configlib.load(os.path.join(ROOT, "configs", "synthetic.py") + f":{task}")
   configlib.override(config, train_overrides(task, model, args))
@@ -122,6 +127,13 @@ def accuracy_at_lengths(task, model, workdir, lengths, args):
   return out
 
 
+def saved_steps(workdir):
+  """The steps of the checkpoints kept in a training workdir, in order."""
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  return sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit()) if os.path.isdir(
+      ckpt_dir) else []
+
+
 def learning_curve(workdir):
   """``(last trained step, [(step, held-out answer accuracy), ...])``."""
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
@@ -130,8 +142,9 @@ def learning_curve(workdir):
   return last, [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
 
 
-def write_report(out, results, steps_done, curves, lengths, args, failed):
-  """Writes the table (returned), the JSON and both plots; runs not evaluated yet read "-"."""
+def write_report(out, results, steps_done, curves, lengths, args, failed, by_step):
+  """Writes the table (returned), the JSON and both plots; runs not evaluated yet read "-".
+  ``by_step``: {(task, model): {step: {length: accuracy}}} of ``--every_checkpoint``."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -149,12 +162,23 @@ def write_report(out, results, steps_done, curves, lengths, args, failed):
                ["failed" if (task, model) in failed else "-"] * len(lens))
       lines.append(f"| {model} | {steps} | " + " | ".join(cells) + " |")
     lines.append("")
+  for (task, model), steps in by_step.items():
+    lens = lengths[task]
+    lines += [f"**{task} / {model}, every kept checkpoint**", "",
+              "| step | " + " | ".join(f"L={n}" for n in lens) + " |",
+              "|---|" + "---|" * len(lens)]
+    lines += [f"| {step} | " + " | ".join(f"{acc[n]:.3f}" for n in lens) + " |"
+              for step, acc in steps.items()]
+    lines.append("")
   table = "\n".join(lines)
   with open(os.path.join(out, "synthetic.md"), "w") as f:
     f.write(table)
   with open(os.path.join(out, "synthetic.json"), "w") as f:
     json.dump({f"{t}/{m}": {"accuracy": {str(k): v for k, v in acc.items()},
-                            "curve": curves.get((t, m), [])}
+                            "curve": curves.get((t, m), []),
+                            **({"by_step": {str(s): {str(k): v for k, v in a.items()}
+                                            for s, a in by_step[(t, m)].items()}}
+                               if (t, m) in by_step else {})}
                for (t, m), acc in results.items()}, f, indent=1)
 
   fig, axes = plt.subplots(1, len(args.tasks), figsize=(5 * len(args.tasks), 3.5), squeeze=False)
@@ -238,6 +262,10 @@ def main():
   parser.add_argument("--time_limit", type=float, default=0,
                       help="seconds after which running trainings are stopped (0: none)")
   parser.add_argument("--skip_training", action="store_true", help="only evaluate and report")
+  parser.add_argument("--every_checkpoint", action="store_true",
+                      help="also evaluate every kept checkpoint at every length (accuracy "
+                           "beyond the training length over training; keep them with "
+                           "--config.keep_checkpoints=N)")
   parser.add_argument("--tiny", action="store_true", help="a quick CPU check of the script")
   parser.add_argument("--merge", default="",
                       help="DIR,DIR,...: no training; the learning curves of these earlier "
@@ -264,9 +292,11 @@ def main():
 
   runs = [(t, m, os.path.join(args.out, t, m)) for t in args.tasks for m in args.models]
   failed = [] if args.skip_training else train_all(runs, args)
-  results, steps_done, curves = {}, {}, {}
+  results, steps_done, curves, by_step = {}, {}, {}, {}
+  report = lambda: write_report(args.out, results, steps_done, curves, lengths, args, failed,
+                                by_step)
   # Rewritten after every evaluated run, so that a run cut short keeps what it has measured.
-  table = write_report(args.out, results, steps_done, curves, lengths, args, failed)
+  table = report()
   for task, model, workdir in runs:
     if (task, model) in failed:
       continue
@@ -275,7 +305,12 @@ def main():
     print(f"{task} / {model}: " + ", ".join(f"L={n} {a:.3f}"
                                              for n, a in results[(task, model)].items()),
           flush=True)
-    table = write_report(args.out, results, steps_done, curves, lengths, args, failed)
+    if args.every_checkpoint:
+      by_step[(task, model)] = {
+          step: accuracy_at_lengths(task, model, os.path.join(workdir, "checkpoints", str(step)),
+                                    lengths[task], args)
+          for step in saved_steps(workdir)}
+    table = report()
   print(table)
   sys.exit(1 if failed else 0)
 

@@ -154,7 +154,8 @@ def test_synthetic_experiment_script_trains_evaluates_beyond_training_length(tmp
   import json
   from helpers import run_script
   args = ["--tiny", f"--out={tmp_path}", "--tasks=induction_heads", "--models=hawk,mqa",
-          "--steps=induction_heads=4", "--eval_rows=16"]
+          "--steps=induction_heads=4", "--eval_rows=16", "--config.checkpoint_every=2",
+          "--config.keep_checkpoints=3"]
   run_script("synthetic.py", *args)
   with open(tmp_path / "synthetic.json") as f:
     first = json.load(f)
@@ -185,6 +186,15 @@ def test_synthetic_experiment_script_trains_evaluates_beyond_training_length(tmp
   missing = run_script("synthetic.py", f"--out={tmp_path / 'm2'}", f"--merge={tmp_path / 'none'}",
                        check=False)
   assert missing.returncode != 0 and "synthetic.json does not exist" in missing.stderr
+  # --every_checkpoint: every kept checkpoint at every length; the last one is the latest's.
+  run_script("synthetic.py", *args, "--skip_training", "--every_checkpoint",
+             "--models=hawk")
+  with open(tmp_path / "synthetic.json") as f:
+    hawk = json.load(f)["induction_heads/hawk"]
+  steps = sorted((tmp_path / "induction_heads" / "hawk" / "checkpoints").iterdir())
+  assert list(hawk["by_step"]) == ["2", "4"] == [p.name for p in steps if p.name.isdigit()]
+  assert hawk["by_step"][str(max(int(s) for s in hawk["by_step"]))] == hawk["accuracy"]
+  assert "every kept checkpoint" in (tmp_path / "synthetic.md").read_text()
 
 
 def test_official_model_control_trains_on_the_synthetic_rows(tmp_path):
