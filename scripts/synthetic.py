@@ -306,6 +306,7 @@ def main():
                                              for n, a in results[(task, model)].items()),
           flush=True)
     if args.every_checkpoint:
+      table = report()  # the latest checkpoint's figures, before the slower pass over all
       by_step[(task, model)] = {
           step: accuracy_at_lengths(task, model, os.path.join(workdir, "checkpoints", str(step)),
                                     lengths[task], args)
