@@ -100,13 +100,20 @@ def plot_curve(path: str, curve: np.ndarray, *, train_len: int = 0, label: str =
   plt.close(fig)
 
 
+@functools.lru_cache(maxsize=8)
+def _jit_eval_step(graphdef):
+  """The jitted evaluation step of one model structure, shared by every model of that
+  structure (e.g. a run's checkpoints), so that each batch shape compiles once."""
+  from recurrentgemma_jax import train  # pylint: disable=g-import-not-at-top
+  return jax.jit(train.make_eval_step(graphdef))
+
+
 def masked_accuracy(model, batches) -> float:
   """Fraction of the ``loss_mask`` tokens whose argmax prediction is the target, over model
   batches (``inputs``, ``targets``, ``segment_pos``, ``loss_mask``; e.g. a synthetic task's
   answers): the training job's evaluation step, on a model."""
-  from recurrentgemma_jax import train  # pylint: disable=g-import-not-at-top
   graphdef, params = nnx.split(model)
-  eval_step = jax.jit(train.make_eval_step(graphdef))
+  eval_step = _jit_eval_step(graphdef)
   fields = ("inputs", "targets", "segment_pos", "loss_mask")
   sums = [eval_step(params, {k: jnp.asarray(batch[k]) for k in fields}) for batch in batches]
   _, count, hits = np.sum(jax.device_get(sums), axis=0)

@@ -628,3 +628,10 @@ def test_masked_accuracy_counts_argmax_hits_on_answer_tokens_only():
   expected = ((predictions == targets) * mask).sum() / mask.sum()
   got = evaluation.masked_accuracy(Oracle(predictions, 7), [batch, batch])
   np.testing.assert_allclose(got, expected, rtol=1e-6)
+  # A second model of the same structure (another checkpoint of a run) reuses the compiled
+  # step, and is scored with its own parameters.
+  hits = evaluation._jit_eval_step.cache_info().hits
+  other = np.where(predictions == targets, (targets + 1) % 7, targets)  # the complement
+  got_other = evaluation.masked_accuracy(Oracle(other, 7), [batch, batch])
+  assert evaluation._jit_eval_step.cache_info().hits == hits + 1
+  np.testing.assert_allclose(got_other, 1.0 - expected, rtol=1e-6)
