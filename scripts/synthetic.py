@@ -21,8 +21,10 @@ script): few steps, short rows.
 
   python scripts/synthetic.py --out DIR --merge DIR1,DIR2,...
 
-draws the learning curves of earlier runs made apart (seeds, variants) in one ``DIR/learning.png``
-and writes ``DIR/merged.md``: the steps at which each first reached 50%, 90% and 99%.
+draws the learning curves of earlier runs made apart (seeds, variants) in one ``DIR/learning.png``,
+their accuracy by evaluation length in ``DIR/lengths.png`` (with, for runs evaluated
+``--every_checkpoint``, the accuracy at the longest length by checkpoint), and writes
+``DIR/merged.md``: the steps at which each first reached 50%, 90% and 99%.
 """
 
 import argparse
@@ -243,6 +245,37 @@ def merge_reports(dirs: list[str], out: str) -> str:
     ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(os.path.join(out, "learning.png"), dpi=120)
+  plt.close(fig)
+  # Accuracy against evaluation length (Fig. 6(b)), and where checkpoints were evaluated
+  # (--every_checkpoint), accuracy at the longest length against training step.
+  tracked = [(t, label, value) for t, label, value in runs if value.get("by_step")]
+  panels = len(tasks) + (1 if tracked else 0)
+  fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
+  for ax, task in zip(axes[0], tasks):
+    ticks = set()
+    for t, label, value in runs:
+      if t == task and value["accuracy"]:
+        lens = [int(n) for n in value["accuracy"]]
+        ticks.update(lens)
+        ax.plot(lens, list(value["accuracy"].values()), marker="o", markersize=3, label=label)
+    ax.set(title=task, xlabel="evaluation length", ylabel="answer accuracy", xscale="log",
+           ylim=(0, 1.02))
+    ax.set_xticks(sorted(ticks), [str(n) for n in sorted(ticks)])
+    ax.minorticks_off()
+    ax.legend(fontsize=7)
+  if tracked:
+    ax = axes[0][-1]
+    for t, label, value in tracked:
+      steps = [int(s) for s in value["by_step"]]
+      longest = [acc[max(acc, key=int)] for acc in value["by_step"].values()]
+      length = max((int(n) for acc in value["by_step"].values() for n in acc), default=0)
+      name = f"{label} (L={length})" if len(tasks) == 1 else f"{t}, {label} (L={length})"
+      ax.plot(steps, longest, marker=".", markersize=4, label=name)
+    ax.set(title="accuracy at the longest length, by checkpoint", xlabel="training step",
+           ylabel="answer accuracy", ylim=(0, 1.02))
+    ax.legend(fontsize=6)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "lengths.png"), dpi=120)
   plt.close(fig)
   table = "\n".join(lines) + "\n"
   with open(os.path.join(out, "merged.md"), "w") as f:

@@ -183,6 +183,7 @@ def test_synthetic_experiment_script_trains_evaluates_beyond_training_length(tmp
   assert "| induction_heads | seed1: hawk | 8 | 4 / 6 / 8 | 32: 0.995 |" in merged, merged
   assert merged.count("| induction_heads |") == 3
   assert (tmp_path / "merged" / "learning.png").read_bytes()[:4] == b"\x89PNG"
+  assert (tmp_path / "merged" / "lengths.png").read_bytes()[:4] == b"\x89PNG"
   missing = run_script("synthetic.py", f"--out={tmp_path / 'm2'}", f"--merge={tmp_path / 'none'}",
                        check=False)
   assert missing.returncode != 0 and "synthetic.json does not exist" in missing.stderr
@@ -195,6 +196,9 @@ def test_synthetic_experiment_script_trains_evaluates_beyond_training_length(tmp
   assert list(hawk["by_step"]) == ["2", "4"] == [p.name for p in steps if p.name.isdigit()]
   assert hawk["by_step"][str(max(int(s) for s in hawk["by_step"]))] == hawk["accuracy"]
   assert "every kept checkpoint" in (tmp_path / "synthetic.md").read_text()
+  # --merge draws accuracy by length, and by checkpoint where a run has it.
+  run_script("synthetic.py", f"--out={tmp_path / 'merged2'}", f"--merge={tmp_path}")
+  assert (tmp_path / "merged2" / "lengths.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_official_model_control_trains_on_the_synthetic_rows(tmp_path):
