@@ -35,10 +35,10 @@ def get_config(arg=None):
   c.batch_size = 32
   # Rows are made in the training loop's thread: a row takes about 20 us of NumPy, and grain's
   # reader threads fighting the loop for the GIL made a Hawk step at length 1024 take 14 ms of
-  # host time against 4.3 ms on the GPU (H100, 2026-11-25, docs/synthetic.md).
+  # host time against 4.3 ms on the GPU (H100, docs/bench/synthetic_log.md, session 16).
   c.data.read_threads = 0
-  # 20K steps for both tasks: with 5K, the learning rate has decayed before MQA leaves its
-  # Induction Heads plateau (docs/synthetic.md).
+  # 20K steps for both tasks: MQA sits on an Induction Heads plateau for 4K to over 20K steps
+  # before it learns the task, depending on the seed (docs/synthetic.md).
   c.total_steps = 20_000
   c.log_every = 50
   c.eval_every = 500
@@ -46,19 +46,21 @@ def get_config(arg=None):
   c.optimizer.learning_rate = 1e-3
   c.optimizer.warmup_steps = 200
   # No weight decay: with 0.1, Griffin's Induction Heads accuracy at 16x the training length fell
-  # to 5-95% depending on the seed; with 0 it stayed at 89-100% (docs/synthetic.md, session 16).
+  # to 5-95% depending on the seed; with 0 it stayed at 89-100% after 5K steps
+  # (docs/bench/synthetic_log.md, session 16).
   c.optimizer.weight_decay = 0.0
   if task == "induction_heads":
     # A constant learning rate after warm-up: under the cosine decay Hawk and Griffin lost their
     # accuracy at 16x the training length in its last third (seeds 1 and 3: 100% at 16x until
     # step 12K, 29-52% at 20K), while the accuracy at the training length stayed at 100%; at a
     # constant rate every Hawk and Griffin run held 96.5-100% at 16x to step 20K (H100,
-    # docs/synthetic.md, session 26).
+    # docs/bench/synthetic_log.md, session 26).
     c.optimizer.schedule = "constant"
   if task == "selective_copying":
     # The RG-LRU starts with longer memory than the paper's a^c in [0.9, 0.999]: with that range
     # Hawk stayed at chance at lengths 512, 768 and 1024 (to 100K steps at 1024); with a^c in
-    # [0.99, 0.9999] it reached 25-30% in 20K steps at 1024 (H100, docs/synthetic.md, session 17).
+    # [0.99, 0.9999] it reached 25-30% in 20K steps at 1024, and 99% within 100K
+    # (H100, docs/bench/synthetic_log.md, session 17).
     c.model.rg_lru_min_ac = 0.99
     c.model.rg_lru_max_ac = 0.9999
   return c
