@@ -53,8 +53,7 @@ def resolve_model_dir(path: str) -> str:
     return path
   ckpt_dir = os.path.join(path, "checkpoints") if os.path.isdir(
       os.path.join(path, "checkpoints")) else path
-  steps = sorted((int(name) for name in os.listdir(ckpt_dir) if name.isdigit()), reverse=True)
-  for step in steps:
+  for step in committed_steps(ckpt_dir):
     candidate = os.path.join(ckpt_dir, str(step))
     if _is_model_dir(candidate):
       return candidate

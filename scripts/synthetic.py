@@ -129,13 +129,6 @@ def accuracy_at_lengths(task, model, workdir, lengths, args):
   return out
 
 
-def saved_steps(workdir):
-  """The steps of the checkpoints kept in a training workdir, in order."""
-  ckpt_dir = os.path.join(workdir, "checkpoints")
-  return sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit()) if os.path.isdir(
-      ckpt_dir) else []
-
-
 def learning_curve(workdir):
   """``(last trained step, [(step, held-out answer accuracy), ...])``."""
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
@@ -339,11 +332,15 @@ def main():
                                              for n, a in results[(task, model)].items()),
           flush=True)
     if args.every_checkpoint:
+      from recurrentgemma_jax import checkpoint  # pylint: disable=g-import-not-at-top
       table = report()  # the latest checkpoint's figures, before the slower pass over all
+      ckpt_dir = os.path.join(workdir, "checkpoints")
+      latest = checkpoint.resolve_model_dir(workdir)  # measured above
       by_step[(task, model)] = {
-          step: accuracy_at_lengths(task, model, os.path.join(workdir, "checkpoints", str(step)),
-                                    lengths[task], args)
-          for step in saved_steps(workdir)}
+          step: (results[(task, model)] if os.path.join(ckpt_dir, str(step)) == latest else
+                 accuracy_at_lengths(task, model, os.path.join(ckpt_dir, str(step)),
+                                     lengths[task], args))
+          for step in reversed(checkpoint.committed_steps(ckpt_dir))}
     table = report()
   print(table)
   sys.exit(1 if failed else 0)
