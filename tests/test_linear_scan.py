@@ -248,12 +248,20 @@ def test_rg_lru_in_time_chunks_matches_float64(shape, dtype, chunks, forward, mo
   assert_layer_matches_float64(fwd, args, reset, dy, dtype, seed=2)
 
 
+def test_the_mosaic_forward_runs_where_the_batch_gives_a_block_per_sm():
+  from pallas_kernels.rg_lru import fused
+  assert fused.mosaic_forward_has_blocks(16, 2048)    # Griffin 400M: 256 blocks
+  assert fused.mosaic_forward_has_blocks(8, 2560)     # Griffin 1.3B's micro-batch: 160 blocks
+  assert not fused.mosaic_forward_has_blocks(4, 2048)  # 64 blocks: the Triton forward is faster
+  assert not fused.mosaic_forward_has_blocks(1, 2560)
+
+
 def test_time_chunks_fill_the_gpu_only_where_the_batch_does_not():
   from pallas_kernels.rg_lru import fused
   assert fused.time_chunks(4, 8192, 2048) == 4      # Griffin 400M at T=8192: 4 x 16 blocks
   assert fused.time_chunks(16, 2048, 2048) == 1     # at T=2048 the batch fills 256 blocks
-  # Griffin 1.3B's 8-row micro-batches: 160 programs of 128 channels, too few for the Mosaic
-  # forward's 256 blocks, enough for the unchunked Triton kernels (faster there).
+  # Griffin 1.3B's 8-row micro-batches: 160 programs of 128 channels, short of the chunked
+  # schedule's 256 blocks, enough for the unchunked kernels (faster there).
   assert fused.time_chunks(8, 2048, 2560) == 1
   assert fused.time_chunks(4, 2048, 2560) == 4      # 80 programs: chunked to 4 x 4 x 20 blocks
   assert fused.time_chunks(1, 4096, 2560) == 16     # runs of 256 (MIN_CHUNK_T)

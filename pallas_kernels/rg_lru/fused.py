@@ -42,10 +42,13 @@ _LN2 = 0.6931471805599453
 # thread of its warpgroup), 32 time rows (the reset flags' float32 tile must be a multiple of 128
 # bytes), 2 stages (a small shared-memory ring lets several blocks share an SM: 0.369 ms with 3
 # stages, 0.241 with 2), rows looped 8 at a time (every row unrolled: 0.222 ms but 14.6 s to
-# compile; 8: 0.227 ms, 2.4 s). With fewer than MOSAIC_MIN_BLOCKS blocks (B=4, D=2048: 64,
-# 1.155 ms) the Triton forward, whose blocks narrow with the batch (gpu_block), runs instead.
+# compile; 8: 0.227 ms, 2.4 s). With fewer than MOSAIC_MIN_BLOCKS blocks (about one per SM)
+# the Triton forward, whose blocks narrow with the batch (gpu_block), runs instead: B=4, D=2048
+# (64 blocks) took 1.155 ms with the Mosaic forward; at Griffin 1.3B's micro-batch (B=8,
+# T=2048, D=2560: 160 blocks) it took 0.229 ms against Triton's 0.309, forward + backward 0.716
+# against 0.804 (H100, session 27).
 MOSAIC_FORWARD = True
-MOSAIC_BLOCK_D, MOSAIC_ROWS, MOSAIC_STAGES, MOSAIC_MIN_BLOCKS = 128, 32, 2, 256
+MOSAIC_BLOCK_D, MOSAIC_ROWS, MOSAIC_STAGES, MOSAIC_MIN_BLOCKS = 128, 32, 2, 128
 MOSAIC_ROW_UNROLL = 8
 
 
@@ -107,12 +110,18 @@ def rg_lru_with_config(x, gate_x_logits, gate_a_logits, a_param, reset, h0,
   return _forward(x, gate_x_logits, gate_a_logits, a_param, reset, h0, config)[0]
 
 
+def mosaic_forward_has_blocks(batch: int, width: int) -> bool:
+  """Whether ``[batch, T, width]`` gives the Mosaic GPU forward ``MOSAIC_MIN_BLOCKS`` blocks
+  (one per row and ``MOSAIC_BLOCK_D`` channels); fewer run the Triton forward."""
+  return batch * -(-width // MOSAIC_BLOCK_D) >= MOSAIC_MIN_BLOCKS
+
+
 def _forward(x, gate_x_logits, gate_a_logits, a_param, reset, h0, config):
   softplus_a = jax.nn.softplus(a_param.astype(jnp.float32))
   streams = (x, gate_x_logits, gate_a_logits)
   B, _, D = x.shape
   if (MOSAIC_FORWARD and config.backend == "gpu" and config.gpu_forward == "mosaic"
-      and B * -(-D // MOSAIC_BLOCK_D) >= MOSAIC_MIN_BLOCKS
+      and mosaic_forward_has_blocks(B, D)
       and gpu_mosaic.supports(*streams, token_rows=(reset,), block_d=MOSAIC_BLOCK_D)):
     (y,), (h_last,) = gpu_mosaic.mosaic_scan(
         _forward_step, streams, (h0,), out_dtypes=(x.dtype,), token_rows=(reset,),
@@ -143,9 +152,11 @@ rg_lru_with_config.defvjp(_forward, _backward)
 
 
 # The time-chunked schedule (``rg_lru_chunked``): rows of at least this many steps per chunk,
-# and no chunks where the batch alone gives this many programs of 128 channels (time_chunks).
+# no chunks where the batch alone gives UNCHUNKED_MIN_PROGRAMS programs of 128 channels, and
+# otherwise chunks until the runs give CHUNKED_BLOCKS Mosaic forward blocks (time_chunks).
 MIN_CHUNK_T = 256
 UNCHUNKED_MIN_PROGRAMS = 128
+CHUNKED_BLOCKS = 256
 
 
 def _end_step(carries, ins):
@@ -167,7 +178,7 @@ def time_chunks(batch: int, length: int, width: int) -> int:
   """Chunks of the time axis for ``rg_lru_chunked``: 1 (the plain kernels) where the batch
   alone gives the Triton kernels ``UNCHUNKED_MIN_PROGRAMS`` programs of 128 channels; else
   doubled (while they divide ``length`` into runs of at least ``MIN_CHUNK_T``) until
-  ``batch x chunks`` rows fill ``MOSAIC_MIN_BLOCKS`` blocks of ``MOSAIC_BLOCK_D`` channels.
+  ``batch x chunks`` rows fill ``CHUNKED_BLOCKS`` blocks of ``MOSAIC_BLOCK_D`` channels.
 
   The chunks rescue batches too small for the kernels' blocks (Griffin 400M at 4 rows of 8192:
   179.1 -> 172.4 ms a step on an H100, session 19). Where the batch is only short of the Mosaic
@@ -179,7 +190,7 @@ def time_chunks(batch: int, length: int, width: int) -> int:
   if batch * -(-width // 128) >= UNCHUNKED_MIN_PROGRAMS:
     return 1
   chunks = 1
-  while (batch * chunks * -(-width // MOSAIC_BLOCK_D) < MOSAIC_MIN_BLOCKS
+  while (batch * chunks * -(-width // MOSAIC_BLOCK_D) < CHUNKED_BLOCKS
          and length % (2 * chunks) == 0 and length // (2 * chunks) >= MIN_CHUNK_T):
     chunks *= 2
   return chunks
