@@ -181,12 +181,12 @@ def time_chunks(batch: int, length: int, width: int) -> int:
   ``batch x chunks`` rows fill ``CHUNKED_BLOCKS`` blocks of ``MOSAIC_BLOCK_D`` channels.
 
   The chunks rescue batches too small for the kernels' blocks (Griffin 400M at 4 rows of 8192:
-  179.1 -> 172.4 ms a step on an H100, session 19). Where the batch is only short of the Mosaic
-  forward's blocks they cost more than they save: Griffin 1.3B in micro-batches of 8 rows of
-  2048 (D = 2560, 160 programs of 128 channels) took 1074.3 ms a step with 2 chunks (the Mosaic
+  179.1 -> 172.4 ms a step on an H100, session 19). Where the batch already gives about one
+  program per SM they cost more than they save: Griffin 1.3B in micro-batches of 8 rows of 2048
+  (D = 2560, 160 programs of 128 channels) took 1074.3 ms a step with 2 chunks (the Mosaic
   forward, 256-channel backward blocks, the chunks' two extra passes) and 1061.8 ms without
-  (the Triton forward, 128-channel blocks), and compiled in 61.5 s against 109.9 (session 23,
-  one H100, same call)."""
+  (then the Triton forward; the Mosaic forward since session 27), and compiled in 61.5 s
+  against 109.9 (session 23, one H100, same call)."""
   if batch * -(-width // 128) >= UNCHUNKED_MIN_PROGRAMS:
     return 1
   chunks = 1
