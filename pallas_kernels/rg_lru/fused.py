@@ -110,10 +110,16 @@ def rg_lru_with_config(x, gate_x_logits, gate_a_logits, a_param, reset, h0,
   return _forward(x, gate_x_logits, gate_a_logits, a_param, reset, h0, config)[0]
 
 
+def _blocks(rows: int, width: int) -> int:
+  """Blocks of ``MOSAIC_BLOCK_D`` (128) channels of ``rows`` rows: the Mosaic forward's CUDA
+  blocks, and the Triton kernels' programs at 128 channels."""
+  return rows * -(-width // MOSAIC_BLOCK_D)
+
+
 def mosaic_forward_has_blocks(batch: int, width: int) -> bool:
   """Whether ``[batch, T, width]`` gives the Mosaic GPU forward ``MOSAIC_MIN_BLOCKS`` blocks
   (one per row and ``MOSAIC_BLOCK_D`` channels); fewer run the Triton forward."""
-  return batch * -(-width // MOSAIC_BLOCK_D) >= MOSAIC_MIN_BLOCKS
+  return _blocks(batch, width) >= MOSAIC_MIN_BLOCKS
 
 
 def _forward(x, gate_x_logits, gate_a_logits, a_param, reset, h0, config):
@@ -187,10 +193,10 @@ def time_chunks(batch: int, length: int, width: int) -> int:
   forward, 256-channel backward blocks, the chunks' two extra passes) and 1061.8 ms without
   (then the Triton forward; the Mosaic forward since session 27), and compiled in 61.5 s
   against 109.9 (session 23, one H100, same call)."""
-  if batch * -(-width // 128) >= UNCHUNKED_MIN_PROGRAMS:
+  if _blocks(batch, width) >= UNCHUNKED_MIN_PROGRAMS:
     return 1
   chunks = 1
-  while (batch * chunks * -(-width // MOSAIC_BLOCK_D) < CHUNKED_BLOCKS
+  while (_blocks(batch * chunks, width) < CHUNKED_BLOCKS
          and length % (2 * chunks) == 0 and length // (2 * chunks) >= MIN_CHUNK_T):
     chunks *= 2
   return chunks
