@@ -17,6 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from pallas_kernels import dispatch
+
+# XLA's dot merger joins matmuls that share an input (a recurrent block's ``linear_x`` and
+# ``linear_y``) into one, and in the decoding loop it concatenated their weights again at every
+# step (0.33 ms of Hawk 1.3B's 15.6 ms at 2048 rows). Off, that step took 15.04-15.08 against
+# 15.27 ms, Griffin's 18.09-18.11 against 18.17-18.18 (H100, docs/bench/decode_log.md, session 28).
+GPU_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +76,12 @@ def choose(logits, key, temperature: float, top_k: int, top_p: float):
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "params", "pad_id", "return_logits",
-                                             "stream"))
+def compiler_options(platform: str | None = None) -> dict:
+  """The XLA options the sampling programs are compiled with on ``platform`` (default: where the
+  current program runs, ``dispatch.target_platform``)."""
+  return dict(GPU_COMPILER_OPTIONS) if (platform or dispatch.target_platform()) == "gpu" else {}
+
+
 def _generate(graphdef, state, tokens, segment_pos, lengths, *, params: SamplingParams,
               pad_id: int, return_logits: bool, stream: Callable | None):
   model = nnx.merge(graphdef, state)
@@ -80,6 +91,13 @@ def _generate(graphdef, state, tokens, segment_pos, lengths, *, params: Sampling
                                          pad_id=pad_id, return_logits=return_logits,
                                          stream=stream)
   return new_tokens.T, done.T, None if step_logits is None else step_logits.swapaxes(0, 1)
+
+
+@functools.cache
+def _jitted_generate(platform: str):
+  return jax.jit(_generate, static_argnames=("graphdef", "params", "pad_id", "return_logits",
+                                             "stream"),
+                 compiler_options=compiler_options(platform) or None)
 
 
 def weights_in_compute_dtype(model):
@@ -148,8 +166,9 @@ def lower_sample(graphdef, state, prompts: Sequence[Sequence[int]],
   nothing is allocated), and the token arrays its compiled form takes after the state:
   ``compiled(state, *inputs)`` returns ``(new_tokens, done, logits)`` (see :func:`output`)."""
   inputs = left_pad(prompts, pad_id)
-  lowered = _generate.lower(graphdef, state, *inputs, params=params, pad_id=pad_id,
-                            return_logits=return_logits, stream=stream)
+  generate = _jitted_generate(dispatch.target_platform())
+  lowered = generate.lower(graphdef, state, *inputs, params=params, pad_id=pad_id,
+                           return_logits=return_logits, stream=stream)
   return lowered, inputs
 
 
@@ -181,5 +200,6 @@ def sample(model, prompts: Sequence[Sequence[int]], params: SamplingParams = Sam
   """
   tokens, segment_pos, lengths = left_pad(prompts, pad_id)
   graphdef, state = nnx.split(model)
-  return output(*_generate(graphdef, state, tokens, segment_pos, lengths, params=params,
-                           pad_id=pad_id, return_logits=return_logits, stream=stream), params)
+  generate = _jitted_generate(dispatch.target_platform())
+  return output(*generate(graphdef, state, tokens, segment_pos, lengths, params=params,
+                          pad_id=pad_id, return_logits=return_logits, stream=stream), params)

@@ -92,6 +92,31 @@ def test_sampling_controls():
   np.testing.assert_array_equal(np.stack(seen, axis=1), greedy.tokens[:, :4])
 
 
+def test_gpu_compiler_options_reach_the_sampling_compile(monkeypatch):
+  """Where the program targets a GPU, sample() and lower_sample() compile with
+  ``sampling.GPU_COMPILER_OPTIONS`` (shown by an option XLA rejects), and the tokens do not
+  change with them (the CPU compiler takes the GPU option's field and ignores it)."""
+  import types  # pylint: disable=g-import-not-at-top
+  cfg = tiny_config(family="hawk", num_layers=2)
+  model = perturbed(model_lib.init_model(cfg, seed=1), seed=2)
+  prompts, params = [[1, 2, 3], [4, 5]], sampling.SamplingParams(max_new_tokens=4)
+  cpu = sampling.sample(model, prompts, params).tokens
+  assert sampling.compiler_options("cpu") == {} and sampling.compiler_options("tpu") == {}
+  monkeypatch.setattr(sampling, "dispatch", types.SimpleNamespace(target_platform=lambda: "gpu"))
+  sampling._jitted_generate.cache_clear()  # pylint: disable=protected-access
+  try:
+    np.testing.assert_array_equal(sampling.sample(model, prompts, params).tokens, cpu)
+    monkeypatch.setattr(sampling, "GPU_COMPILER_OPTIONS", {"xla_gpu_no_such_option": 0})
+    sampling._jitted_generate.cache_clear()  # pylint: disable=protected-access
+    with pytest.raises(Exception, match="xla_gpu_no_such_option"):
+      sampling.sample(model, prompts, params)
+    graphdef, state = nnx.split(model)
+    with pytest.raises(Exception, match="xla_gpu_no_such_option"):
+      sampling.lower_sample(graphdef, state, prompts, params)[0].compile()
+  finally:
+    sampling._jitted_generate.cache_clear()  # pylint: disable=protected-access
+
+
 def test_imported_official_checkpoint_reproduces_official_greedy_continuation(tmp_path):
   rg = pytest.importorskip("recurrentgemma.jax")
   import orbax.checkpoint as ocp

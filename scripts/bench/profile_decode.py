@@ -97,7 +97,7 @@ def main():
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  from recurrentgemma_jax import flops  # pylint: disable=g-import-not-at-top
+  from recurrentgemma_jax import flops, sampling  # pylint: disable=g-import-not-at-top
   import bench_decode  # pylint: disable=g-import-not-at-top
   import profile_summary  # pylint: disable=g-import-not-at-top
   import timing  # pylint: disable=g-import-not-at-top
@@ -124,6 +124,8 @@ def main():
     cache = filled_cache(model, args.batch, args.position, args.position + args.steps + 1)
     return jax.block_until_ready(jax.tree.map(lambda a: jnp.array(a, copy=True), cache))
 
+  # sampling's own options (GPU: the dot merger off), then --xla_option's
+  options = {**sampling.compiler_options(), **options}
   run = decoder(model, args.steps).lower(state, fresh_cache(), logits, pos).compile(
       options or None)
   jax.block_until_ready(run(state, fresh_cache(), logits, pos))
