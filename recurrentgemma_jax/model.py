@@ -26,7 +26,8 @@ from sharding import partitioning
 
 FAMILIES = ("griffin", "hawk", "mqa", "gla")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
-# gate_impl, mlp_impl, conv1d_impl, norm_impl: a Pallas kernel or XLA (auto: _kernel_on_gpus)
+# gate_impl, mlp_impl, conv1d_impl, norm_impl, decode_impl: a Pallas kernel or XLA (auto:
+# _kernel_on_gpus, except decode_impl)
 KERNEL_IMPLS = ("auto", "xla", "pallas")
 FUSED_RG_LRU = ("auto", "true", "false")
 SCAN_LAYERS = ("auto", "true", "false")
@@ -117,6 +118,7 @@ class ModelConfig:
   mlp_impl: str = "auto"                # auto | xla | pallas: the MLP's GeLU gating (its backward)
   conv1d_impl: str = "auto"             # auto | xla | pallas: the recurrent block's Conv1D backward
   norm_impl: str = "auto"               # auto | xla | pallas: the blocks' RMSNorm backward
+  decode_impl: str = "auto"             # auto | xla | pallas: a recurrent block's decoding step
   remat: str = "none"
   scan_layers: str = "auto"  # auto | true | false: layers as one lax.scan (auto: with remat)
 
@@ -204,6 +206,13 @@ class ModelConfig:
     """``auto``: the Triton backward of ``pallas_kernels.norm`` on GPUs, which adds the skip's
     gradient in the same pass (docs/bench/performance_log.md, session 18), else XLA."""
     return _kernel_on_gpus(self.norm_impl)
+
+  @property
+  def resolved_decode_impl(self) -> str:
+    """``pallas``: a recurrent block's one-token decoding step (Conv1D, gates, RG-LRU update) as
+    one Triton kernel (``pallas_kernels.rg_lru.decode``; interpreted on a CPU; a TPU takes
+    XLA's), where XLA makes five passes. ``auto``: XLA, until the kernel is timed on a GPU."""
+    return "xla" if self.decode_impl == "auto" else self.decode_impl
 
   @property
   def layers_scanned(self) -> bool:
@@ -295,7 +304,8 @@ class ModelConfig:
     choices = (("gate_impl", KERNEL_IMPLS),
                ("scan_impl", ("auto", "pallas", "xla_linear", "xla_associative")),
                ("mlp_impl", KERNEL_IMPLS), ("norm_impl", KERNEL_IMPLS),
-               ("conv1d_impl", KERNEL_IMPLS), ("remat", REMAT_POLICIES))
+               ("conv1d_impl", KERNEL_IMPLS), ("decode_impl", KERNEL_IMPLS),
+               ("remat", REMAT_POLICIES))
     for name, allowed in choices:
       value = getattr(self, name)
       if value not in allowed:
@@ -367,7 +377,8 @@ def make_temporal_block(block_type: str, cfg: ModelConfig, rngs: nnx.Rngs, **kw)
         conv1d_temporal_width=cfg.conv1d_temporal_width, final_init_scale=final,
         scan_impl=cfg.scan_impl, fused_rg_lru=cfg.resolved_fused_rg_lru,
         gate_impl=cfg.resolved_gate_impl, conv1d_impl=cfg.resolved_conv1d_impl,
-        a_init=(cfg.rg_lru_min_ac, cfg.rg_lru_max_ac), **kw)
+        decode_impl=cfg.resolved_decode_impl, a_init=(cfg.rg_lru_min_ac, cfg.rg_lru_max_ac),
+        **kw)
   if block_type in ("attention", "global_attention"):
     window = cfg.attention_window_size if block_type == "attention" else None
     return attention.MQAttention(cfg.width, cfg.num_heads, window, rngs=rngs,

@@ -171,9 +171,11 @@ class RecurrentBlock(nnx.Module):
   def __init__(self, width: int, lru_width: int, num_blocks: int, *, rngs: nnx.Rngs,
                conv1d_temporal_width: int = 4, final_init_scale: float = 1.0,
                scan_impl: str = "auto", fused_rg_lru: bool = False, gate_impl: str = "xla",
-               conv1d_impl: str = "xla", a_init: tuple[float, float] = (0.9, 0.999),
-               param_dtype=jnp.float32, dtype=jnp.float32):
+               conv1d_impl: str = "xla", decode_impl: str = "xla",
+               a_init: tuple[float, float] = (0.9, 0.999), param_dtype=jnp.float32,
+               dtype=jnp.float32):
     kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+    self.decode_impl = decode_impl  # xla | pallas: the one-token step (``decode_step``)
     self.linear_y = layers.Dense(width, lru_width, axes=("embed", "lru"), **kw)
     self.linear_x = layers.Dense(width, lru_width, axes=("embed", "lru"), **kw)
     self.linear_out = layers.Dense(lru_width, width, axes=("lru", "embed"),
@@ -191,11 +193,47 @@ class RecurrentBlock(nnx.Module):
     y = jax.nn.gelu(self.linear_y(x))
     x = self.linear_x(x)
     count = 0 if cache is None else cache.tokens
-    x, conv_state = self.conv_1d(x, segment_pos, None if cache is None else cache.conv1d_state,
-                                 count)
-    x, h_last = self.rg_lru(x, segment_pos, None if cache is None else cache.rg_lru_state)
+    if cache is not None and x.shape[1] == 1 and self._step_kernel():
+      x, h_last, conv_state = self.decode_step(x, segment_pos, cache)
+    else:
+      x, conv_state = self.conv_1d(x, segment_pos, None if cache is None else cache.conv1d_state,
+                                   count)
+      x, h_last = self.rg_lru(x, segment_pos, None if cache is None else cache.rg_lru_state)
     return self.linear_out(x * y), RecurrentCache(h_last, conv_state,
                                                   jnp.asarray(count + x.shape[1], jnp.int32))
+
+  def _step_kernel(self) -> bool:
+    """Whether a one-token step runs through ``pallas_kernels.rg_lru.decode``."""
+    from pallas_kernels.rg_lru import decode  # pylint: disable=g-import-not-at-top
+    w = self.rg_lru.input_gate.w.value
+    return (self.decode_impl == "pallas" and dispatch.target_platform() != "tpu"
+            and decode.supported(w.shape[0] * w.shape[1], w.shape[0],
+                                 self.conv_1d.temporal_width))
+
+  def decode_step(self, x, segment_pos, cache: RecurrentCache):
+    """One token per row (``x``: ``linear_x``'s output, ``[B, 1, E]``) through the Conv1D, the
+    gates and the RG-LRU update in one kernel; the token then goes into the Conv1D's ring in
+    place. Returns ``(y [B, 1, E], h [B, E], ring)``, as the XLA path."""
+    from pallas_kernels.rg_lru import decode  # pylint: disable=g-import-not-at-top
+    conv, lru = self.conv_1d, self.rg_lru
+    x = x[:, 0].astype(conv.dtype)
+    rows, ring_axes, lru_axes = ("batch", "lru"), (None, "batch", "lru"), ("lru",)
+    # The gate blocks split over the mesh as the channels do: named "lru" too, so that the
+    # channels split only where the blocks do (shard_local splits an axis name alike everywhere).
+    blocks, block_bias = ("lru", None, None), ("lru", None)
+    step = functools.partial(decode.decode_step,
+                             interpret=dispatch.target_platform() != "gpu")
+    y, h = partitioning.shard_local(
+        step, (rows, ring_axes, (), ("batch",), (None, "lru"), lru_axes, blocks, blocks,
+               block_bias, block_bias, lru_axes, rows), (rows, rows))(
+                   x, cache.conv1d_state, cache.tokens, segment_pos[:, 0], conv.w.value,
+                   conv.b.value, lru.input_gate.w.value, lru.a_gate.w.value,
+                   lru.input_gate.b.value, lru.a_gate.b.value, lru.a_param.value,
+                   cache.rg_lru_state)
+    ring = jax.lax.dynamic_update_index_in_dim(
+        cache.conv1d_state, x.astype(cache.conv1d_state.dtype),
+        cache.tokens % (conv.temporal_width - 1), axis=0)
+    return y[:, None], h, ring
 
   def init_cache(self, batch_size: int, max_len: int, dtype) -> RecurrentCache:
     """The empty state: its size does not depend on ``max_len``."""

@@ -17,7 +17,9 @@ Modules: ``scan`` and ``fused`` (the custom VJPs) run their steps through ``bloc
 sequential driver, which runs ``tpu`` (Mosaic TPU; its interpreter on a CPU) or ``gpu``
 (Triton); ``gpu_mosaic`` runs the same step functions forward through Mosaic GPU on Hopper
 (the linear scan's forward by default, the fused layer's forward when opted in);
-``reference`` the pure-JAX references. Which runs where: ``pallas_kernels.dispatch``.
+``reference`` the pure-JAX references; ``decode`` a recurrent block's one-token decoding step
+(Conv1D, gates and update in one Triton kernel, ``model.decode_impl``). Which runs where:
+``pallas_kernels.dispatch``.
 """
 
 from pallas_kernels.rg_lru.fused import rg_lru

@@ -27,13 +27,16 @@ from pallas_kernels.conv1d import causal  # noqa: E402
 from pallas_kernels.gates import block_diagonal  # noqa: E402
 from pallas_kernels.mlp import gating  # noqa: E402
 from pallas_kernels.norm import rms  # noqa: E402
+from pallas_kernels.rg_lru import decode  # noqa: E402
 
 # Relative error allowed for each compute dtype: bfloat16 inputs are rounded before both the
 # kernel and the reference see them, so what is left is the kernel's own rounding.
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
 # Triton takes float32 dots at their default precision in TF32 (10-bit mantissa), as XLA's
 # float32 dots on a GPU do: the H100 measured 2.9e-4 at the gate shape.
-TOLERANCE_OVERRIDES = {("block_diagonal", "float32"): 1e-3, ("gates_with_skip", "float32"): 1e-3}
+TOLERANCE_OVERRIDES = {("block_diagonal", "float32"): 1e-3, ("gates_with_skip", "float32"): 1e-3,
+                       ("recurrent_decode_step", "float32"): 1e-3}
+FORWARD_ONLY = {"recurrent_decode_step"}  # a decoding kernel: no gradients
 
 
 def _block_diagonal_reference(x, w, b):
@@ -87,6 +90,13 @@ def cases(tiny: bool):
   conv = lambda x, w, b, doc: causal.causal_conv1d(x, w, b, doc, interpret=interpret)
   yield ("conv1d", conv, causal.reference,
          [("x", (cb, ct, cd)), ("param", (4, cd)), ("param", (cd,)), ("documents", (cb, ct))])
+  # Hawk 1.3B's decoding step at 2048 rows: 16 gate blocks of 160 over 2560 channels
+  db, dw, dh = (37, 96, 2) if tiny else (2048, 2560, 16)
+  step = lambda *a: decode.decode_step(*a, interpret=interpret)
+  yield ("recurrent_decode_step", step, decode.decode_step_reference,
+         [("x", (db, dw)), ("x", (3, db, dw)), ("count", ()), ("positions", (db,)),
+          ("param", (4, dw)), ("param", (dw,))] + [("gate_weight", (dh, dw // dh, dw // dh))] * 2
+         + [("param", (dh, dw // dh))] * 2 + [("param", (dw,)), ("state", (db, dw))])
   n, d = (70, 48) if tiny else (32768, 1536)                  # Griffin 400M's residual stream
   norm = lambda x, scale: rms.rms_norm_with_skip(x, scale, eps=1e-6, interpret=interpret)
   yield ("rms_norm", norm, lambda x, scale: (x, rms.forward(x, scale, 1e-6)),
@@ -100,6 +110,14 @@ def make_inputs(specs, dtype, key):
       out.append(jax.random.bernoulli(k, 0.002, shape))
     elif kind == "documents":  # document numbers of packed rows, a new one every ~50 tokens
       out.append(jnp.cumsum(jax.random.bernoulli(k, 0.02, shape), axis=-1, dtype=jnp.int32))
+    elif kind == "count":  # tokens a decoding cache has taken
+      out.append(jnp.int32(7))
+    elif kind == "positions":  # positions in the document, the first few included
+      out.append(jax.random.randint(k, shape, 0, 6, jnp.int32))
+    elif kind == "state":
+      out.append(jax.random.normal(k, shape, jnp.float32))
+    elif kind == "gate_weight":  # block-diagonal gate weights scaled for unit-size logits
+      out.append(jax.random.normal(k, shape, jnp.float32) * shape[1] ** -0.5)
     elif kind == "param":
       out.append(jax.random.normal(k, shape, jnp.float32))
     elif kind == "decay":
@@ -115,8 +133,11 @@ def _as_tuple(out):
   return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
-def forward_and_grads(fn, inputs, cotangents):
-  """The outputs and the gradients of the float inputs for the given output cotangents."""
+def forward_and_grads(fn, inputs, cotangents, grads=True):
+  """The outputs and the gradients of the float inputs for the given output cotangents (none
+  without ``grads``)."""
+  if not grads:
+    return list(_as_tuple(fn(*inputs))), []
   diff = [i for i, a in enumerate(inputs) if jnp.issubdtype(a.dtype, jnp.floating)]
 
   def f(*args):
@@ -140,7 +161,8 @@ def _float64(a):
 
 def check(name, fn, ref, specs, dtype, key):
   inputs = make_inputs(specs, dtype, key)
-  kernel = jax.jit(lambda a, c: forward_and_grads(fn, a, c))
+  grads = name not in FORWARD_ONLY
+  kernel = jax.jit(lambda a, c: forward_and_grads(fn, a, c, grads))
   try:
     shapes = jax.eval_shape(lambda *a: _as_tuple(fn(*a)), *inputs)
     cts = [jax.random.normal(k, s.shape).astype(s.dtype)
@@ -153,7 +175,7 @@ def check(name, fn, ref, specs, dtype, key):
   with jax.enable_x64(True):
     wide = [jax.device_put(_float64(a), cpu) for a in inputs]
     wide_cts = [jax.device_put(_float64(c), cpu) for c in cts]
-    want_outs, want_grads = jax.jit(lambda a, c: forward_and_grads(ref, a, c),
+    want_outs, want_grads = jax.jit(lambda a, c: forward_and_grads(ref, a, c, grads),
                                     device=cpu)(wide, wide_cts)
   errors = [rel_error(g, w) for g, w in zip(outs + grads, list(want_outs) + list(want_grads))]
   ok = max(errors) <= TOLERANCE_OVERRIDES.get((name, dtype), TOLERANCE[dtype])

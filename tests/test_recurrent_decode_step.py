@@ -1,0 +1,106 @@
+"""The recurrent block's one-kernel decoding step (``pallas_kernels.rg_lru.decode``) against a
+float64 NumPy reference, and the model's decoding with it against the XLA step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.rg_lru import decode
+from recurrentgemma_jax import model as model_lib
+from recurrentgemma_jax import sampling
+from test_model import perturbed, tiny_config
+
+
+def reference_step(x, ring, count, seg, conv_w, conv_b, w_x, w_a, b_x, b_a, a_param, h0):
+  """The step in float64 from the equations: the Conv1D over the ring (``layers.Conv1D``), the
+  block-diagonal gates, the RG-LRU's decay and normalised input, ``h = a h0 + x_in``."""
+  f = lambda a: np.asarray(a, np.float64)
+  x, ring, conv_w, conv_b, h0 = map(f, (x, ring, conv_w, conv_b, h0))
+  slots = ring.shape[0]
+  seg = np.asarray(seg)[:, None]
+  conv = x * conv_w[slots] + conv_b
+  for shift in range(1, slots + 1):
+    conv = conv + np.where(seg >= shift, ring[(count - shift) % slots], 0.0) * conv_w[slots - shift]
+  blocks = conv.reshape(conv.shape[0], w_x.shape[0], -1)
+  gate = lambda w, b: 1 / (1 + np.exp(-(np.einsum("bhi,hij->bhj", blocks, f(w)) + f(b))))
+  gate_x = gate(w_x, b_x).reshape(conv.shape)
+  gate_a = gate(w_a, b_a).reshape(conv.shape)
+  log_a = -8.0 * gate_a * np.logaddexp(f(a_param), 0.0)
+  reset = seg == 0
+  multiplier = np.where(reset, 1.0, np.sqrt(1 - np.exp(2 * log_a)))
+  return np.where(reset, 0.0, np.exp(log_a)) * h0 + conv * gate_x * multiplier
+
+
+def random_inputs(seed, batch, width, blocks, slots, dtype, count):
+  rng = np.random.default_rng(seed)
+  block = width // blocks
+  arr = lambda shape, scale=1.0, dt=dtype: jnp.asarray(rng.normal(size=shape) * scale, dt)
+  seg = rng.choice([0, 1, 2, 3, 4, 50], size=batch).astype(np.int32)
+  seg[:min(batch, slots + 2)] = np.arange(min(batch, slots + 2))  # every mask case
+  return (arr((batch, width)), arr((slots, batch, width)), jnp.int32(count), jnp.asarray(seg),
+          arr((slots + 1, width), 0.5), arr((width,), 0.1),
+          arr((blocks, block, block), block ** -0.5), arr((blocks, block, block), block ** -0.5),
+          arr((blocks, block), 0.1, jnp.float32), arr((blocks, block), 0.1, jnp.float32),
+          arr((width,), 1.0, jnp.float32), arr((batch, width), 1.0, jnp.float32))
+
+
+@pytest.mark.parametrize("batch,width,blocks,slots,dtype,count", [
+    (5, 96, 2, 3, jnp.float32, 7),       # blocks of 48 (pieces 32 + 16), padded rows
+    (33, 64, 4, 3, jnp.bfloat16, 2),     # blocks of 16, two row tiles
+    (3, 320, 2, 1, jnp.float32, 0),      # blocks of 160 (128 + 32), a 2-tap Conv1D
+])
+def test_decode_step_matches_float64(batch, width, blocks, slots, dtype, count):
+  inputs = random_inputs(batch * width + count, batch, width, blocks, slots, dtype, count)
+  y, h = decode.decode_step(*inputs, interpret=True)
+  want = reference_step(*inputs)
+  assert y.dtype == dtype and h.dtype == jnp.float32 and h.shape == (batch, width)
+  # float32: the kernel rounds the Conv1D, the gate logits and the normalised input to the
+  # compute dtype as the model does, nothing else; bfloat16: those roundings.
+  tol = 1e-5 if dtype == jnp.float32 else 3e-2
+  np.testing.assert_allclose(np.asarray(h), want, rtol=tol, atol=tol)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(h.astype(dtype)))
+  # the pure-JAX reference (check_gpu_kernels.py's) in float64 agrees with this one
+  with jax.enable_x64(True):
+    wide = [np.asarray(a, np.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a
+            for a in inputs]
+    np.testing.assert_allclose(np.asarray(decode.decode_step_reference(*wide)[1]), want,
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_decode_step_rejects_mismatched_shapes():
+  inputs = list(random_inputs(0, 4, 64, 2, 3, jnp.float32, 1))
+  inputs[4] = inputs[4][:3]  # a Conv1D of 3 taps for a ring of 3 slots
+  with pytest.raises(ValueError, match="conv_w"):
+    decode.decode_step(*inputs, interpret=True)
+
+
+@pytest.mark.parametrize("family", ["hawk", "griffin"])
+def test_sampling_with_the_decode_kernel_equals_the_xla_step(family, monkeypatch):
+  """Greedy decoding through ``model.decode_impl=pallas`` (interpreted) gives the XLA step's
+  logits (float32: to rounding) and tokens, resets and prompts of two lengths included."""
+  calls = []
+  kernel = decode.decode_step
+  monkeypatch.setattr(decode, "decode_step", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+  results = {}
+  for impl in ("xla", "pallas"):
+    cfg = tiny_config(family=family, num_layers=3, attention_window_size=4, decode_impl=impl)
+    model = perturbed(model_lib.init_model(cfg, seed=5), seed=6, scale=0.1)
+    out = sampling.sample(model, [[1, 2, 3, 4, 5], [6, 7]],
+                          sampling.SamplingParams(max_new_tokens=6), return_logits=True)
+    results[impl] = out
+    # traced once per recurrent block, and only for the kernel
+    assert len(calls) == (0 if impl == "xla" else cfg.resolved_block_types.count("recurrent"))
+  np.testing.assert_allclose(results["pallas"].logits, results["xla"].logits, rtol=2e-5,
+                             atol=2e-5)
+  np.testing.assert_array_equal(results["pallas"].tokens, results["xla"].tokens)
+  assert model_lib.ModelConfig(decode_impl="auto").resolved_decode_impl == "xla"
+
+
+@pytest.mark.parametrize("width,blocks", [(2560, 16), (2048, 8)])  # Hawk 1.3B's 160s; 256s
+def test_decode_step_lowers_for_a_gpu(width, blocks):
+  """The kernel lowers to Triton for CUDA on this CPU machine (no GPU needed)."""
+  import helpers  # pylint: disable=g-import-not-at-top
+  inputs = random_inputs(0, 64, width, blocks, 3, jnp.bfloat16, 5)
+  text = helpers.lower_for_cuda(decode.decode_step, *inputs)
+  assert text.count("@__gpu$xla.gpu.triton") == 1 and "pallas_recurrent_decode_step" in text
