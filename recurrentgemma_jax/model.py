@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels import dispatch
 from pallas_kernels import mlp as mlp_kernels
+from pallas_kernels.mlp import gated_up
 from recurrentgemma_jax import attention
 from recurrentgemma_jax import layers
 from recurrentgemma_jax import recurrent
@@ -118,7 +119,7 @@ class ModelConfig:
   mlp_impl: str = "auto"                # auto | xla | pallas: the MLP's GeLU gating (its backward)
   conv1d_impl: str = "auto"             # auto | xla | pallas: the recurrent block's Conv1D backward
   norm_impl: str = "auto"               # auto | xla | pallas: the blocks' RMSNorm backward
-  decode_impl: str = "auto"             # auto | xla | pallas: a recurrent block's decoding step
+  decode_impl: str = "auto"             # auto | xla | pallas: kernels of the decoding step
   remat: str = "none"
   scan_layers: str = "auto"  # auto | true | false: layers as one lax.scan (auto: with remat)
 
@@ -209,9 +210,12 @@ class ModelConfig:
 
   @property
   def resolved_decode_impl(self) -> str:
-    """``pallas``: a recurrent block's one-token decoding step (Conv1D, gates, RG-LRU update) as
-    one Triton kernel (``pallas_kernels.rg_lru.decode``; interpreted on a CPU; a TPU takes
-    XLA's), where XLA makes five passes. ``auto``: XLA, until the kernel is timed on a GPU."""
+    """``pallas``: the one-token decoding step through Triton kernels (interpreted on a CPU; a
+    TPU takes XLA's): a recurrent block's Conv1D, gates and RG-LRU update as one
+    (``pallas_kernels.rg_lru.decode``), where XLA makes five passes, and the MLP's
+    up-projection with its GeLU gating as one (``pallas_kernels.mlp.gated_up``), where XLA
+    writes both branches and reads them again. ``auto``: XLA, until the kernels are timed on a
+    GPU."""
     return "xla" if self.decode_impl == "auto" else self.decode_impl
 
   @property
@@ -334,9 +338,10 @@ class MLPBlock(nnx.Module):
   """Gated MLP: ``down(gelu(x W_0 + b_0) * (x W_1 + b_1))``, both branches ``D -> M``."""
 
   def __init__(self, width: int, expanded: int, *, rngs: nnx.Rngs, final_init_scale: float,
-               param_dtype, dtype, impl: str = "xla"):
+               param_dtype, dtype, impl: str = "xla", decode_impl: str = "xla"):
     self.dtype = dtype
     self.impl = impl
+    self.decode_impl = decode_impl  # pallas: a decoding step's up-projection and gating as one
     self.ffw_up = GatedUpProjection(width, expanded, rngs=rngs, param_dtype=param_dtype)
     self.ffw_down = layers.Dense(expanded, width, axes=("mlp", "embed"), rngs=rngs,
                                  init_scale=final_init_scale, param_dtype=param_dtype,
@@ -349,6 +354,14 @@ class MLPBlock(nnx.Module):
     # H100: they were 12% of a Griffin-1B step).
     w = self.ffw_up.w.value.astype(self.dtype)
     bias = self.ffw_up.b.value.astype(self.dtype)
+    if (x.shape[1] == 1 and self.decode_impl == "pallas" and dispatch.target_platform() != "tpu"
+        and gated_up.supported(*w.shape[1:])):
+      # Decoding through one kernel that writes only the gated product
+      # (``pallas_kernels.mlp.gated_up``), per device under a mesh.
+      up = functools.partial(gated_up.gated_up, interpret=dispatch.target_platform() != "gpu")
+      h = partitioning.shard_local(up, (("batch", None), (None, None, "mlp"), (None, "mlp")),
+                                   ("batch", "mlp"))(x[:, 0], w, self.ffw_up.b.value.reshape(2, -1))
+      return self.ffw_down(h[:, None])
     if x.shape[1] == 1:
       # Decoding (one token per row): the branch axis as a batch axis of both operands, so
       # the [2, D, M] weight is read as it lies. With "btd,cdm->btcm", XLA transposed the whole
@@ -404,7 +417,7 @@ class ResidualBlock(nnx.Module):
     setattr(self, TEMPORAL_NAMES[block_type], make_temporal_block(block_type, cfg, rngs, **kw))
     self.channel_pre_norm = layers.RMSNorm(cfg.width, **norm)
     self.mlp_block = MLPBlock(cfg.width, cfg.resolved_mlp_width, rngs=rngs,
-                              impl=cfg.resolved_mlp_impl,
+                              impl=cfg.resolved_mlp_impl, decode_impl=cfg.resolved_decode_impl,
                               final_init_scale=2.0 / cfg.num_layers, **kw)
 
   @property

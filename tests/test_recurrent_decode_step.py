@@ -79,18 +79,23 @@ def test_decode_step_rejects_mismatched_shapes():
 def test_sampling_with_the_decode_kernel_equals_the_xla_step(family, monkeypatch):
   """Greedy decoding through ``model.decode_impl=pallas`` (interpreted) gives the XLA step's
   logits (float32: to rounding) and tokens, resets and prompts of two lengths included."""
-  calls = []
-  kernel = decode.decode_step
+  from pallas_kernels.mlp import gated_up  # pylint: disable=g-import-not-at-top
+  calls, mlp_calls = [], []
+  kernel, mlp_kernel = decode.decode_step, gated_up.gated_up
   monkeypatch.setattr(decode, "decode_step", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+  monkeypatch.setattr(gated_up, "gated_up",
+                      lambda *a, **k: mlp_calls.append(1) or mlp_kernel(*a, **k))
   results = {}
   for impl in ("xla", "pallas"):
-    cfg = tiny_config(family=family, num_layers=3, attention_window_size=4, decode_impl=impl)
+    cfg = tiny_config(family=family, num_layers=3, attention_window_size=4, decode_impl=impl,
+                      width=64, mlp_expanded_width=128)
     model = perturbed(model_lib.init_model(cfg, seed=5), seed=6, scale=0.1)
     out = sampling.sample(model, [[1, 2, 3, 4, 5], [6, 7]],
                           sampling.SamplingParams(max_new_tokens=6), return_logits=True)
     results[impl] = out
     # traced once per recurrent block, and only for the kernel
     assert len(calls) == (0 if impl == "xla" else cfg.resolved_block_types.count("recurrent"))
+    assert len(mlp_calls) == (0 if impl == "xla" else cfg.num_layers)
   np.testing.assert_allclose(results["pallas"].logits, results["xla"].logits, rtol=2e-5,
                              atol=2e-5)
   np.testing.assert_array_equal(results["pallas"].tokens, results["xla"].tokens)
@@ -104,3 +109,30 @@ def test_decode_step_lowers_for_a_gpu(width, blocks):
   inputs = random_inputs(0, 64, width, blocks, 3, jnp.bfloat16, 5)
   text = helpers.lower_for_cuda(decode.decode_step, *inputs)
   assert text.count("@__gpu$xla.gpu.triton") == 1 and "pallas_recurrent_decode_step" in text
+  if width == 2048:  # and the MLP's up-projection and gating at Hawk 1.3B's [2048, 2, 6144]
+    from pallas_kernels.mlp import gated_up  # pylint: disable=g-import-not-at-top
+    text = helpers.lower_for_cuda(
+        gated_up.gated_up, jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16),
+        jax.ShapeDtypeStruct((2, 2048, 6144), jnp.bfloat16),
+        jax.ShapeDtypeStruct((2, 6144), jnp.float32))
+    assert text.count("@__gpu$xla.gpu.triton") == 1 and "pallas_gated_up" in text
+
+
+@pytest.mark.parametrize("n,d,m,dtype", [(5, 128, 192, jnp.float32), (130, 64, 64, jnp.bfloat16)])
+def test_gated_up_matches_float64(n, d, m, dtype):
+  """pallas_kernels.mlp.gated_up (decoding's up-projection and GeLU gating in one kernel)
+  against float64, padded rows included."""
+  from pallas_kernels.mlp import gated_up  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(n + d + m)
+  x = jnp.asarray(rng.normal(size=(n, d)), dtype)
+  w = jnp.asarray(rng.normal(size=(2, d, m)) / np.sqrt(d), jnp.float32)
+  b = jnp.asarray(rng.normal(size=(2, m)) * 0.1, jnp.float32)
+  got = np.asarray(gated_up.gated_up(x, w, b, interpret=True), np.float64)
+  up = np.einsum("nd,cdm->cnm", np.asarray(x, np.float64), np.asarray(w.astype(dtype), np.float64))
+  up += np.asarray(b, np.float64)[:, None]
+  gelu = 0.5 * up[0] * (1 + np.tanh(np.sqrt(2 / np.pi) * (up[0] + 0.044715 * up[0] ** 3)))
+  want = gelu * up[1]
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2  # bfloat16: the branches' and GeLU's roundings
+  np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+  with pytest.raises(ValueError, match="gated_up"):
+    gated_up.gated_up(x[:, :d - 1], w[:, :d - 1], b, interpret=True)

@@ -369,25 +369,30 @@ def test_cudnn_attention_chooses_per_device_and_matches_one_device(monkeypatch):
 
 
 def test_recurrent_decode_kernel_per_device_matches_one_device(monkeypatch):
-  """model.decode_impl=pallas under a 4 x 2 mesh: the step kernel runs on each device's rows
-  (data=4) and gate blocks (model=2), and greedy sampling gives one device's tokens."""
+  """model.decode_impl=pallas under a 4 x 2 mesh: the step kernels run on each device's rows
+  (data=4) and gate blocks or MLP features (model=2), and greedy sampling gives one device's
+  tokens."""
+  from pallas_kernels.mlp import gated_up  # pylint: disable=g-import-not-at-top
   from pallas_kernels.rg_lru import decode  # pylint: disable=g-import-not-at-top
   from recurrentgemma_jax import sampling  # pylint: disable=g-import-not-at-top
   seen = set()
-  kernel = decode.decode_step
+  kernel, mlp_kernel = decode.decode_step, gated_up.gated_up
   monkeypatch.setattr(decode, "decode_step",
                       lambda x, *a, **k: seen.add(tuple(x.shape)) or kernel(x, *a, **k))
-  cfg = model_lib.ModelConfig(family="hawk", vocab_size=64, width=32, lru_width=64,
-                              num_layers=2, num_heads=2, mlp_expanded_width=64,
+  monkeypatch.setattr(gated_up, "gated_up", lambda x, w, b, **k: seen.add(
+      ("mlp", *x.shape, w.shape[-1])) or mlp_kernel(x, w, b, **k))
+  cfg = model_lib.ModelConfig(family="hawk", vocab_size=64, width=64, lru_width=64,
+                              num_layers=2, num_heads=2, mlp_expanded_width=128,
                               dtype="float32", decode_impl="pallas")
   model = model_lib.init_model(cfg, 0)
   prompts = [list(np.random.default_rng(r).integers(1, 64, 2 + r % 3)) for r in range(8)]
   params = sampling.SamplingParams(max_new_tokens=4)
   want = sampling.sample(model, prompts, params, return_logits=True)
-  assert seen == {(8, 64)}
+  assert seen == {(8, 64), ("mlp", 8, 64, 128)}
   seen.clear()
   with jax.set_mesh(partitioning.make_mesh(4, 2)):
     got = sampling.sample(model, prompts, params, return_logits=True)
-  assert seen == {(2, 32)}, seen  # 2 rows and one gate block of 32 channels per device
+  # 2 rows and one gate block of 32 channels, or half the 128 MLP features, per device
+  assert seen == {(2, 32), ("mlp", 2, 64, 64)}, seen
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_allclose(got.logits, want.logits, atol=1e-5, rtol=1e-5)

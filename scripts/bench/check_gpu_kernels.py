@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import pallas_kernels  # noqa: E402
 from pallas_kernels.conv1d import causal  # noqa: E402
 from pallas_kernels.gates import block_diagonal  # noqa: E402
-from pallas_kernels.mlp import gating  # noqa: E402
+from pallas_kernels.mlp import gated_up, gating  # noqa: E402
 from pallas_kernels.norm import rms  # noqa: E402
 from pallas_kernels.rg_lru import decode  # noqa: E402
 
@@ -35,8 +35,8 @@ TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
 # Triton takes float32 dots at their default precision in TF32 (10-bit mantissa), as XLA's
 # float32 dots on a GPU do: the H100 measured 2.9e-4 at the gate shape.
 TOLERANCE_OVERRIDES = {("block_diagonal", "float32"): 1e-3, ("gates_with_skip", "float32"): 1e-3,
-                       ("recurrent_decode_step", "float32"): 1e-3}
-FORWARD_ONLY = {"recurrent_decode_step"}  # a decoding kernel: no gradients
+                       ("recurrent_decode_step", "float32"): 1e-3, ("gated_up", "float32"): 1e-3}
+FORWARD_ONLY = {"recurrent_decode_step", "gated_up"}  # decoding kernels: no gradients
 
 
 def _block_diagonal_reference(x, w, b):
@@ -97,6 +97,10 @@ def cases(tiny: bool):
          [("x", (db, dw)), ("x", (3, db, dw)), ("count", ()), ("positions", (db,)),
           ("param", (4, dw)), ("param", (dw,))] + [("gate_weight", (dh, dw // dh, dw // dh))] * 2
          + [("param", (dh, dw // dh))] * 2 + [("param", (dw,)), ("state", (db, dw))])
+  gn, gd, gm = (70, 64, 128) if tiny else (2048, 2048, 6144)  # Hawk 1.3B's MLP, 2048 rows
+  up = lambda x, w, b: gated_up.gated_up(x, w, b, interpret=interpret)
+  yield ("gated_up", up, gated_up.reference,
+         [("x", (gn, gd)), ("gate_weight", (2, gd, gm)), ("param", (2, gm))])
   n, d = (70, 48) if tiny else (32768, 1536)                  # Griffin 400M's residual stream
   norm = lambda x, scale: rms.rms_norm_with_skip(x, scale, eps=1e-6, interpret=interpret)
   yield ("rms_norm", norm, lambda x, scale: (x, rms.forward(x, scale, 1e-6)),

@@ -1,0 +1,80 @@
+"""The gated MLP's up-projection and gating in one kernel, for decoding (no backward).
+
+``gated_up(x, w, b, *, interpret=False) -> h`` with ``x: [N, D]``, ``w: [2, D, M]`` (both
+branches), ``b: [2, M]``, ``h = gelu(x w_0 + b_0) * (x w_1 + b_1)``: ``[N, M]`` in ``x``'s
+dtype (tanh GeLU, as ``jax.nn.gelu``). Each program computes a ``[rows, cols]`` tile of both
+branches' matmuls (two float32 accumulators over ``D`` in steps of ``_K``) and writes only ``h``:
+XLA writes both ``[N, M]`` branches and reads them again in a pass of its own (Hawk 1.3B at
+2048 rows on an H100: the matmul 4.04 ms a step at 613 TFLOP/s, the gating pass 0.67 ms;
+docs/bench/decode_log.md, session 28).
+
+Rounded where the XLA path rounds: each branch after its bias (the matmul's output dtype), the
+GeLU before the product. Triton lowering (``interpret=True``: Pallas' interpreter, the CPU
+tests). ``D`` a multiple of ``_K``, ``M`` of ``_COLS`` (``supported``); ``N`` is padded inside.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_ROWS, _COLS, _K = 128, 64, 64
+_WARPS, _STAGES = 8, 3
+
+
+def supported(width: int, expanded: int) -> bool:
+  return width % _K == 0 and expanded % _COLS == 0
+
+
+def reference(x, w, b):
+  """The XLA path's arithmetic (``model.MLPBlock``'s decoding branch)."""
+  up = jnp.einsum("nd,cdm->cnm", x, w.astype(x.dtype)) + b.astype(x.dtype)[:, None]
+  return jax.nn.gelu(up[0]) * up[1]
+
+
+def _kernel(x_ref, w0_ref, w1_ref, b_ref, h_ref):
+  f32, dtype = jnp.float32, h_ref.dtype
+  rows, cols = h_ref.shape
+
+  def step(k, accs):
+    a0, a1 = accs
+    xs = x_ref[:, pl.ds(k * _K, _K)]
+    a0 += jnp.dot(xs, w0_ref[pl.ds(k * _K, _K), :], preferred_element_type=f32)
+    a1 += jnp.dot(xs, w1_ref[pl.ds(k * _K, _K), :], preferred_element_type=f32)
+    return a0, a1
+
+  zeros = jnp.zeros((rows, cols), f32)
+  a0, a1 = jax.lax.fori_loop(0, x_ref.shape[1] // _K, step, (zeros, zeros))
+  u0 = (a0 + b_ref[0, :].astype(f32)[None]).astype(dtype).astype(f32)
+  u1 = (a1 + b_ref[1, :].astype(f32)[None]).astype(dtype).astype(f32)
+  h_ref[...] = (jax.nn.gelu(u0).astype(dtype).astype(f32) * u1).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def gated_up(x, w, b, *, interpret: bool = False):
+  """See the module docstring."""
+  n, d = x.shape
+  m = w.shape[-1]
+  if w.shape != (2, d, m) or b.shape != (2, m) or not supported(d, m):
+    raise ValueError(f"gated_up: x {x.shape}, w {w.shape}, b {b.shape}: need w [2, D, M], "
+                     f"b [2, M], D a multiple of {_K}, M of {_COLS}")
+  rows = -(-n // _ROWS) * _ROWS
+  h = pl.pallas_call(
+      _kernel,
+      name="pallas_gated_up",
+      out_shape=jax.ShapeDtypeStruct((rows, m), x.dtype),
+      grid=(rows // _ROWS, m // _COLS),
+      in_specs=[pl.BlockSpec((_ROWS, d), lambda r, c: (r, 0)),
+                pl.BlockSpec((None, d, _COLS), lambda r, c: (0, 0, c)),
+                pl.BlockSpec((None, d, _COLS), lambda r, c: (1, 0, c)),
+                pl.BlockSpec((2, _COLS), lambda r, c: (0, c))],
+      out_specs=pl.BlockSpec((_ROWS, _COLS), lambda r, c: (r, c)),
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=_WARPS,
+                                                                  num_stages=_STAGES),
+      interpret=interpret,
+  )(jnp.pad(x, ((0, rows - n), (0, 0))), w.astype(x.dtype), w.astype(x.dtype), b)
+  return h[:n]
