@@ -100,6 +100,8 @@ def test_sampling_with_the_decode_kernel_equals_the_xla_step(family, monkeypatch
                              atol=2e-5)
   np.testing.assert_array_equal(results["pallas"].tokens, results["xla"].tokens)
   assert model_lib.ModelConfig(decode_impl="auto").resolved_decode_impl == "xla"
+  assert model_lib.ModelConfig(decode_impl="triton").errors() == [
+      "model.decode_impl='triton' is not one of auto|xla|pallas"]
 
 
 @pytest.mark.parametrize("width,blocks", [(2560, 16), (2048, 8)])  # Hawk 1.3B's 160s; 256s
