@@ -138,3 +138,12 @@ def test_gated_up_matches_float64(n, d, m, dtype):
   np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
   with pytest.raises(ValueError, match="gated_up"):
     gated_up.gated_up(x[:, :d - 1], w[:, :d - 1], b, interpret=True)
+
+
+def test_decode_kernel_benchmark_script_prints_its_rows():
+  """scripts/bench/bench_decode_kernels.py --tiny (interpreted): XLA's row and the kernels'."""
+  import helpers  # pylint: disable=g-import-not-at-top
+  out = helpers.run_script("bench/bench_decode_kernels.py", "--tiny").stdout
+  rows = [line for line in out.splitlines() if line.startswith("| ") and "ms" not in line]
+  assert [r.split(" | ")[1] for r in rows] == ["XLA", "kernel, 32 rows a program", "XLA",
+                                               "kernel, tile 64x64, K 64, 4 warps, 2 stages"], out

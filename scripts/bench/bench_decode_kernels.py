@@ -1,0 +1,127 @@
+"""The decoding-step kernels (``model.decode_impl=pallas``) against XLA's step, alone, at one
+model's shapes, with their floors and tile variants.
+
+  python scripts/bench/bench_decode_kernels.py [--batch 2048] [--width 2048]
+      [--lru_width 2560] [--gate_blocks 16] [--mlp 6144] [--step_rows 32,64]
+      [--mlp_tiles 128x64x64x8x3,...] [--iters 20] [--tiny]
+
+Rows (defaults: Hawk 1.3B's recurrent block at 2048 rows, bfloat16):
+
+- the recurrent block's Conv1D, gates and RG-LRU update for one token: XLA's path
+  (``RecurrentBlock.conv_1d`` then ``.rg_lru``, as ``decode_impl=xla``) against
+  ``RecurrentBlock.decode_step`` (``pallas_kernels.rg_lru.decode`` plus the ring's in-place
+  write) with ``--step_rows`` rows per program. Bytes floor: ``x``, the ring's slots, the float32
+  state read; ``y``, the state and the ring slot written (20 bytes a channel a row) over the copy
+  ceiling measured in the run.
+- the MLP's up-projection and GeLU gating: XLA's (``MLPBlock``'s decoding branch, without the
+  down-projection) against ``pallas_kernels.mlp.gated_up`` with each ``--mlp_tiles`` entry
+  (rows x cols x K step x warps x stages). FLOP floor: ``4 B D M`` over the device's peak.
+
+``--tiny``: small shapes, interpreted, for a CPU check of the script.
+"""
+
+import argparse
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from pallas_kernels.mlp import gated_up  # noqa: E402
+from pallas_kernels.rg_lru import decode  # noqa: E402
+from recurrentgemma_jax import flops  # noqa: E402
+from recurrentgemma_jax import model as model_lib  # noqa: E402
+from recurrentgemma_jax import recurrent  # noqa: E402
+import timing  # noqa: E402
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--batch", type=int, default=2048)
+  parser.add_argument("--width", type=int, default=2048)
+  parser.add_argument("--lru_width", type=int, default=2560)
+  parser.add_argument("--gate_blocks", type=int, default=16)
+  parser.add_argument("--mlp", type=int, default=6144)
+  parser.add_argument("--step_rows", default="32,64")
+  parser.add_argument("--mlp_tiles", default="128x64x64x8x3,64x128x64x4x4,128x128x64x8x3")
+  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--tiny", action="store_true")
+  args = parser.parse_args()
+  if args.tiny:
+    args.batch, args.width, args.lru_width, args.gate_blocks, args.mlp = 5, 64, 64, 2, 128
+    args.step_rows, args.mlp_tiles, args.iters = "32", "64x64x64x4x2", 1
+  b, d, e, m = args.batch, args.width, args.lru_width, args.mlp
+  dt = jnp.bfloat16
+  rngs = nnx.Rngs(0)
+  block = recurrent.RecurrentBlock(d, e, args.gate_blocks, rngs=rngs, param_dtype=dt, dtype=dt)
+  mlp = model_lib.MLPBlock(d, m, rngs=rngs, final_init_scale=1.0, param_dtype=dt, dtype=dt)
+  keys = jax.random.split(jax.random.PRNGKey(1), 4)
+  x = jax.random.normal(keys[0], (b, 1, e), dt)
+  xm = jax.random.normal(keys[1], (b, 1, d), dt)
+  seg = jnp.full((b, 1), 100, jnp.int32)
+  cache = recurrent.RecurrentCache(jax.random.normal(keys[2], (b, e), jnp.float32),
+                                   jax.random.normal(keys[3], (3, b, e), dt),
+                                   jnp.asarray(7, jnp.int32))
+
+  def xla_step(block, x, seg, cache):
+    y, ring = block.conv_1d(x, seg, cache.conv1d_state, cache.tokens)
+    y, h = block.rg_lru(y, seg, cache.rg_lru_state)
+    return y, h, ring
+
+  def kernel_step(block, x, seg, cache):
+    return block.decode_step(x, seg, cache)
+
+  def mlp_up(mlp, x):  # the decoding branch without the down-projection
+    w = mlp.ffw_up.w.value
+    up = jnp.einsum("cbd,cdm->cbm", jnp.broadcast_to(x[:, 0], (2, *x[:, 0].shape)), w)
+    up = up + mlp.ffw_up.b.value.reshape(2, 1, -1).astype(dt)
+    return jax.nn.gelu(up[0]) * up[1]
+
+  interpret = jax.default_backend() == "cpu"
+  timed = lambda f, *a: timing.time_fn(f, *a, iters=args.iters)
+  ceiling = timing.copy_ceiling(1 << 30 if not args.tiny else 1 << 20)
+  peak = flops.device_peak_flops() or 0.0
+  step_floor = 20 * b * e / ceiling * 1e3
+  mlp_floor = 4 * b * d * m / peak * 1e3 if peak else float("nan")
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; B={b} D={d} E={e} "
+        f"({args.gate_blocks} gate blocks) M={m} bfloat16; copy ceiling {ceiling / 1e12:.2f} "
+        f"TB/s, peak {peak / 1e12:.0f} TFLOP/s", flush=True)
+  print("| work | implementation | ms | floor (ms) | floor reached |\n|---|---|---|---|---|")
+  row = lambda work, impl, ms, floor: print(
+      f"| {work} | {impl} | {ms:.4f} | {floor:.4f} | {floor / ms:.0%} |", flush=True)
+
+  row("Conv1D + gates + RG-LRU update", "XLA", timed(nnx.jit(xla_step), block, x, seg, cache),
+      step_floor)
+  for rows in map(int, args.step_rows.split(",")):
+    decode._ROWS = rows  # pylint: disable=protected-access
+    jax.clear_caches()
+    try:
+      ms = timed(nnx.jit(kernel_step), block, x, seg, cache)
+      row("Conv1D + gates + RG-LRU update", f"kernel, {rows} rows a program", ms, step_floor)
+    except Exception as err:  # pylint: disable=broad-except  (a tile Triton rejects)
+      print(f"| Conv1D + gates + RG-LRU update | kernel, {rows} rows | error: "
+            f"{str(err).splitlines()[0][:150]} | | |", flush=True)
+
+  row("MLP up-projection + GeLU gating", "XLA", timed(nnx.jit(mlp_up), mlp, xm), mlp_floor)
+  w, bias = mlp.ffw_up.w.value, mlp.ffw_up.b.value.reshape(2, -1)
+  for tile in args.mlp_tiles.split(","):
+    r, c, k, warps, stages = map(int, tile.split("x"))
+    gated_up._ROWS, gated_up._COLS, gated_up._K = r, c, k  # pylint: disable=protected-access
+    gated_up._WARPS, gated_up._STAGES = warps, stages  # pylint: disable=protected-access
+    jax.clear_caches()
+    try:
+      ms = timed(functools.partial(gated_up.gated_up, interpret=interpret), xm[:, 0], w, bias)
+      row("MLP up-projection + GeLU gating", f"kernel, tile {r}x{c}, K {k}, {warps} warps, "
+          f"{stages} stages", ms, mlp_floor)
+    except Exception as err:  # pylint: disable=broad-except
+      print(f"| MLP up-projection + GeLU gating | kernel, tile {tile} | error: "
+            f"{str(err).splitlines()[0][:150]} | | |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
