@@ -145,5 +145,6 @@ def test_decode_kernel_benchmark_script_prints_its_rows():
   import helpers  # pylint: disable=g-import-not-at-top
   out = helpers.run_script("bench/bench_decode_kernels.py", "--tiny").stdout
   rows = [line for line in out.splitlines() if line.startswith("| ") and "ms" not in line]
-  assert [r.split(" | ")[1] for r in rows] == ["XLA", "kernel, 32 rows a program", "XLA",
-                                               "kernel, tile 64x64, K 64, 4 warps, 2 stages"], out
+  assert [r.split(" | ")[1] for r in rows] == [
+      "XLA", "kernel, 32 rows a program, 4 warps", "XLA",
+      "kernel, tile 64x64, K 64, 4 warps, 2 stages"], out

@@ -2,7 +2,7 @@
 model's shapes, with their floors and tile variants.
 
   python scripts/bench/bench_decode_kernels.py [--batch 2048] [--width 2048]
-      [--lru_width 2560] [--gate_blocks 16] [--mlp 6144] [--step_rows 32,64]
+      [--lru_width 2560] [--gate_blocks 16] [--mlp 6144] [--step_tiles 32x4,64x4,64x8]
       [--mlp_tiles 128x64x64x8x3,...] [--iters 20] [--tiny]
 
 Rows (defaults: Hawk 1.3B's recurrent block at 2048 rows, bfloat16):
@@ -10,7 +10,7 @@ Rows (defaults: Hawk 1.3B's recurrent block at 2048 rows, bfloat16):
 - the recurrent block's Conv1D, gates and RG-LRU update for one token: XLA's path
   (``RecurrentBlock.conv_1d`` then ``.rg_lru``, as ``decode_impl=xla``) against
   ``RecurrentBlock.decode_step`` (``pallas_kernels.rg_lru.decode`` plus the ring's in-place
-  write) with ``--step_rows`` rows per program. Bytes floor: ``x``, the ring's slots, the float32
+  write) with each ``--step_tiles`` entry (rows a program x warps). Bytes floor: ``x``, the ring's slots, the float32
   state read; ``y``, the state and the ring slot written (20 bytes a channel a row) over the copy
   ceiling measured in the run.
 - the MLP's up-projection and GeLU gating: XLA's (``MLPBlock``'s decoding branch, without the
@@ -47,14 +47,14 @@ def main():
   parser.add_argument("--lru_width", type=int, default=2560)
   parser.add_argument("--gate_blocks", type=int, default=16)
   parser.add_argument("--mlp", type=int, default=6144)
-  parser.add_argument("--step_rows", default="32,64")
+  parser.add_argument("--step_tiles", default="32x4,64x4,64x8")
   parser.add_argument("--mlp_tiles", default="128x64x64x8x3,64x128x64x4x4,128x128x64x8x3")
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--tiny", action="store_true")
   args = parser.parse_args()
   if args.tiny:
     args.batch, args.width, args.lru_width, args.gate_blocks, args.mlp = 5, 64, 64, 2, 128
-    args.step_rows, args.mlp_tiles, args.iters = "32", "64x64x64x4x2", 1
+    args.step_tiles, args.mlp_tiles, args.iters = "32x4", "64x64x64x4x2", 1
   b, d, e, m = args.batch, args.width, args.lru_width, args.mlp
   dt = jnp.bfloat16
   rngs = nnx.Rngs(0)
@@ -97,14 +97,16 @@ def main():
 
   row("Conv1D + gates + RG-LRU update", "XLA", timed(nnx.jit(xla_step), block, x, seg, cache),
       step_floor)
-  for rows in map(int, args.step_rows.split(",")):
-    decode._ROWS = rows  # pylint: disable=protected-access
+  for tile in args.step_tiles.split(","):
+    rows, warps = map(int, tile.split("x"))
+    decode._ROWS, decode._WARPS = rows, warps  # pylint: disable=protected-access
     jax.clear_caches()
     try:
       ms = timed(nnx.jit(kernel_step), block, x, seg, cache)
-      row("Conv1D + gates + RG-LRU update", f"kernel, {rows} rows a program", ms, step_floor)
+      row("Conv1D + gates + RG-LRU update", f"kernel, {rows} rows a program, {warps} warps", ms,
+          step_floor)
     except Exception as err:  # pylint: disable=broad-except  (a tile Triton rejects)
-      print(f"| Conv1D + gates + RG-LRU update | kernel, {rows} rows | error: "
+      print(f"| Conv1D + gates + RG-LRU update | kernel, tile {tile} | error: "
             f"{str(err).splitlines()[0][:150]} | | |", flush=True)
 
   row("MLP up-projection + GeLU gating", "XLA", timed(nnx.jit(mlp_up), mlp, xm), mlp_floor)
