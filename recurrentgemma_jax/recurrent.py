@@ -24,6 +24,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels import dispatch
 from pallas_kernels import gates
+from pallas_kernels.rg_lru import decode as decode_kernel
 from recurrentgemma_jax import layers
 from recurrentgemma_jax import scan as scan_lib
 from sharding import partitioning
@@ -204,24 +205,22 @@ class RecurrentBlock(nnx.Module):
 
   def _step_kernel(self) -> bool:
     """Whether a one-token step runs through ``pallas_kernels.rg_lru.decode``."""
-    from pallas_kernels.rg_lru import decode  # pylint: disable=g-import-not-at-top
     w = self.rg_lru.input_gate.w.value
     return (self.decode_impl == "pallas" and dispatch.target_platform() != "tpu"
-            and decode.supported(w.shape[0] * w.shape[1], w.shape[0],
+            and decode_kernel.supported(w.shape[0] * w.shape[1], w.shape[0],
                                  self.conv_1d.temporal_width))
 
   def decode_step(self, x, segment_pos, cache: RecurrentCache):
     """One token per row (``x``: ``linear_x``'s output, ``[B, 1, E]``) through the Conv1D, the
     gates and the RG-LRU update in one kernel; the token then goes into the Conv1D's ring in
     place. Returns ``(y [B, 1, E], h [B, E], ring)``, as the XLA path."""
-    from pallas_kernels.rg_lru import decode  # pylint: disable=g-import-not-at-top
     conv, lru = self.conv_1d, self.rg_lru
     x = x[:, 0].astype(conv.dtype)
     rows, ring_axes, lru_axes = ("batch", "lru"), (None, "batch", "lru"), ("lru",)
     # The gate blocks split over the mesh as the channels do: named "lru" too, so that the
     # channels split only where the blocks do (shard_local splits an axis name alike everywhere).
     blocks, block_bias = ("lru", None, None), ("lru", None)
-    step = functools.partial(decode.decode_step,
+    step = functools.partial(decode_kernel.decode_step,
                              interpret=dispatch.target_platform() != "gpu")
     y, h = partitioning.shard_local(
         step, (rows, ring_axes, (), ("batch",), (None, "lru"), lru_axes, blocks, blocks,
