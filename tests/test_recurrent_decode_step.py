@@ -47,7 +47,7 @@ def random_inputs(seed, batch, width, blocks, slots, dtype, count):
 
 @pytest.mark.parametrize("batch,width,blocks,slots,dtype,count", [
     (5, 96, 2, 3, jnp.float32, 7),       # blocks of 48 (pieces 32 + 16), padded rows
-    (33, 64, 4, 3, jnp.bfloat16, 2),     # blocks of 16, two row tiles
+    (70, 64, 4, 3, jnp.bfloat16, 2),     # blocks of 16, two row tiles
     (3, 320, 2, 1, jnp.float32, 0),      # blocks of 160 (128 + 32), a 2-tap Conv1D
 ])
 def test_decode_step_matches_float64(batch, width, blocks, slots, dtype, count):

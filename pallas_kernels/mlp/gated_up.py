@@ -10,7 +10,7 @@ docs/bench/decode_log.md, session 28).
 
 Rounded where the XLA path rounds: each branch after its bias (the matmul's output dtype), the
 GeLU before the product. Triton lowering (``interpret=True``: Pallas' interpreter, the CPU
-tests). ``D`` a multiple of ``_K``, ``M`` of ``_COLS`` (``supported``); ``N`` is padded inside.
+tests). ``D`` a multiple of ``_K``, ``M`` of 64 (``supported``); ``N`` is padded inside.
 """
 
 from __future__ import annotations
@@ -22,12 +22,21 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-_ROWS, _COLS, _K = 128, 64, 64
+# The tile (not yet timed; bench_decode_kernels.py sweeps it): 128 rows by 128 columns of each
+# branch, a 128 x 256 output tile's worth of accumulators, as XLA's and cuBLAS's large tiles.
+# Smaller tiles read x and w from L2 many more times (at 128 x 64: 1.6 GB a call at Hawk 1.3B's
+# shapes, against 0.1 ms of tensor-core work).
+_ROWS, _COLS, _K = 128, 128, 64
 _WARPS, _STAGES = 8, 3
 
 
+def _cols(expanded: int) -> int:
+  """Columns of a tile: ``_COLS``, or 64 where ``expanded`` is not a multiple of it."""
+  return _COLS if expanded % _COLS == 0 else 64
+
+
 def supported(width: int, expanded: int) -> bool:
-  return width % _K == 0 and expanded % _COLS == 0
+  return width % _K == 0 and expanded % _cols(expanded) == 0
 
 
 def reference(x, w, b):
@@ -61,18 +70,18 @@ def gated_up(x, w, b, *, interpret: bool = False):
   m = w.shape[-1]
   if w.shape != (2, d, m) or b.shape != (2, m) or not supported(d, m):
     raise ValueError(f"gated_up: x {x.shape}, w {w.shape}, b {b.shape}: need w [2, D, M], "
-                     f"b [2, M], D a multiple of {_K}, M of {_COLS}")
-  rows = -(-n // _ROWS) * _ROWS
+                     f"b [2, M], D a multiple of {_K}, M of 64")
+  rows, cols = -(-n // _ROWS) * _ROWS, _cols(m)
   h = pl.pallas_call(
       _kernel,
       name="pallas_gated_up",
       out_shape=jax.ShapeDtypeStruct((rows, m), x.dtype),
-      grid=(rows // _ROWS, m // _COLS),
+      grid=(rows // _ROWS, m // cols),
       in_specs=[pl.BlockSpec((_ROWS, d), lambda r, c: (r, 0)),
-                pl.BlockSpec((None, d, _COLS), lambda r, c: (0, 0, c)),
-                pl.BlockSpec((None, d, _COLS), lambda r, c: (1, 0, c)),
-                pl.BlockSpec((2, _COLS), lambda r, c: (0, c))],
-      out_specs=pl.BlockSpec((_ROWS, _COLS), lambda r, c: (r, c)),
+                pl.BlockSpec((None, d, cols), lambda r, c: (0, 0, c)),
+                pl.BlockSpec((None, d, cols), lambda r, c: (1, 0, c)),
+                pl.BlockSpec((2, cols), lambda r, c: (0, c))],
+      out_specs=pl.BlockSpec((_ROWS, cols), lambda r, c: (r, c)),
       compiler_params=None if interpret else plgpu.CompilerParams(num_warps=_WARPS,
                                                                   num_stages=_STAGES),
       interpret=interpret,

@@ -23,7 +23,7 @@ the gate kernel 0.67, the gate arithmetic 0.23, the update 0.86 and the ring's w
 a step; docs/bench/decode_log.md, session 28), where one pass reads about 95 MB a block:
 about 32 us at the copy ceiling.
 
-Each program takes ``R`` rows and one gate block (grid ``(B / R, H)``): it computes the
+Each program takes ``_ROWS`` rows and one gate block (grid ``(B / _ROWS, H)``): it computes the
 Conv1D of its block's channels, both gates from them (``E/H``-square dots in float32), the
 decay and the normalised input, and ``h = a * h0 + x_in``. Arithmetic in float32, rounded to
 the compute dtype where the XLA step rounds: the Conv1D output, the gate logits and the
@@ -45,8 +45,12 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gates import block_diagonal as bd
 
-_ROWS = 32   # rows per program
-_WARPS = 4
+# Rows per program and warps (not yet timed; bench_decode_kernels.py sweeps them). Each program
+# reads its gate block's two weights (102 KB at blocks of 160) from L2: at 32 rows those are about
+# as many bytes a layer as the activations; 64 rows halve it, and 8 warps keep the float32
+# tiles (the Conv1D's pieces, two gate accumulators) in registers.
+_ROWS = 64
+_WARPS = 8
 _C = 8.0     # log a_t = -C * gate_a * softplus(a_param) (recurrent.C)
 
 

@@ -2,8 +2,8 @@
 model's shapes, with their floors and tile variants.
 
   python scripts/bench/bench_decode_kernels.py [--batch 2048] [--width 2048]
-      [--lru_width 2560] [--gate_blocks 16] [--mlp 6144] [--step_tiles 32x4,64x4,64x8]
-      [--mlp_tiles 128x64x64x8x3,...] [--iters 20] [--tiny]
+      [--lru_width 2560] [--gate_blocks 16] [--mlp 6144] [--step_tiles 64x8,32x4,64x4,128x8]
+      [--mlp_tiles 128x128x64x8x3,...] [--iters 20] [--tiny]
 
 Rows (defaults: Hawk 1.3B's recurrent block at 2048 rows, bfloat16):
 
@@ -47,8 +47,9 @@ def main():
   parser.add_argument("--lru_width", type=int, default=2560)
   parser.add_argument("--gate_blocks", type=int, default=16)
   parser.add_argument("--mlp", type=int, default=6144)
-  parser.add_argument("--step_tiles", default="32x4,64x4,64x8")
-  parser.add_argument("--mlp_tiles", default="128x64x64x8x3,64x128x64x4x4,128x128x64x8x3")
+  parser.add_argument("--step_tiles", default="64x8,32x4,64x4,128x8")
+  parser.add_argument("--mlp_tiles",
+                      default="128x128x64x8x3,128x128x64x8x4,128x64x64x8x3,64x128x64x4x4")
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--tiny", action="store_true")
   args = parser.parse_args()
