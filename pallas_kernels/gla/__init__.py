@@ -4,7 +4,8 @@ Public calls:
 
 - ``chunk_gla(q, k, v, log_g, h0=None, *, scale=None, reset=None, chunk_size=64,
   interpret=False, platform=None) -> (o, h_last)``: the chunkwise-parallel form, differentiable.
-- ``gla_recurrent_step(q, k, v, log_g, h0) -> (o, h)``: one token (decoding).
+- ``gla_recurrent_step(q_t, k_t, v_t, log_g_t, state, *, scale=None) -> (o, state)``: one
+  token (decoding).
 - ``gla_reference(q, k, v, log_g, h0=None, *, scale=None, reset=None, chunk_size=64)``: the
   pure-JAX chunked reference (also the CPU path of the model).
 

@@ -16,7 +16,7 @@ Shapes: ``x, a``, the gate logits and ``y``: ``[B, T, D]``; ``h0, h_last``: ``[B
 Modules: ``scan`` and ``fused`` (the custom VJPs) run their steps through ``blocked``'s
 sequential driver, which runs ``tpu`` (Mosaic TPU; its interpreter on a CPU) or ``gpu``
 (Triton); ``gpu_mosaic`` runs the same step functions forward through Mosaic GPU on Hopper
-(the linear scan's forward by default, the fused layer's forward when opted in);
+(the linear scan's forward and the fused layer's forward, by default; ``fused.MOSAIC_FORWARD``);
 ``reference`` the pure-JAX references; ``decode`` a recurrent block's one-token decoding step
 (Conv1D, gates and update in one Triton kernel, ``model.decode_impl``). Which runs where:
 ``pallas_kernels.dispatch``.
