@@ -49,6 +49,7 @@ def random_inputs(seed, batch, width, blocks, slots, dtype, count):
     (5, 96, 2, 3, jnp.float32, 7),       # blocks of 48 (pieces 32 + 16), padded rows
     (70, 64, 4, 3, jnp.bfloat16, 2),     # blocks of 16, two row tiles
     (3, 320, 2, 1, jnp.float32, 0),      # blocks of 160 (128 + 32), a 2-tap Conv1D
+    (6, 64, 2, 2, jnp.float32, 4),       # a 3-tap Conv1D
 ])
 def test_decode_step_matches_float64(batch, width, blocks, slots, dtype, count):
   inputs = random_inputs(batch * width + count, batch, width, blocks, slots, dtype, count)
@@ -113,14 +114,19 @@ def test_decode_step_lowers_for_a_gpu(width, blocks):
   assert text.count("@__gpu$xla.gpu.triton") == 1 and "pallas_recurrent_decode_step" in text
   if width == 2048:  # and the MLP's up-projection and gating at Hawk 1.3B's [2048, 2, 6144]
     from pallas_kernels.mlp import gated_up  # pylint: disable=g-import-not-at-top
-    text = helpers.lower_for_cuda(
-        gated_up.gated_up, jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16),
-        jax.ShapeDtypeStruct((2, 2048, 6144), jnp.bfloat16),
-        jax.ShapeDtypeStruct((2, 6144), jnp.float32))
-    assert text.count("@__gpu$xla.gpu.triton") == 1 and "pallas_gated_up" in text
+    for dtype in (jnp.bfloat16, jnp.float32):
+      text = helpers.lower_for_cuda(
+          gated_up.gated_up, jax.ShapeDtypeStruct((2048, 2048), dtype),
+          jax.ShapeDtypeStruct((2, 2048, 6144), dtype),
+          jax.ShapeDtypeStruct((2, 6144), jnp.float32))
+      assert text.count("@__gpu$xla.gpu.triton") == 1 and "pallas_gated_up" in text
 
 
-@pytest.mark.parametrize("n,d,m,dtype", [(5, 128, 192, jnp.float32), (130, 64, 64, jnp.bfloat16)])
+@pytest.mark.parametrize("n,d,m,dtype", [
+    (5, 128, 192, jnp.float32),    # 64 columns a tile (192 is no multiple of 128), K steps of 32
+    (130, 64, 64, jnp.bfloat16),   # two row tiles, the second padded
+    (20, 64, 256, jnp.bfloat16),   # 128 columns a tile, 32 rows
+])
 def test_gated_up_matches_float64(n, d, m, dtype):
   """pallas_kernels.mlp.gated_up (decoding's up-projection and GeLU gating in one kernel)
   against float64, padded rows included."""

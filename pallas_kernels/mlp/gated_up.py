@@ -8,8 +8,8 @@ XLA writes both ``[N, M]`` branches and reads them again in a pass of its own (H
 2048 rows on an H100: the matmul 4.04 ms a step at 613 TFLOP/s, the gating pass 0.67 ms;
 docs/bench/decode_log.md, session 28).
 
-Rounded where the XLA path rounds: each branch after its bias (the matmul's output dtype), the
-GeLU before the product. Triton lowering (``interpret=True``: Pallas' interpreter, the CPU
+Rounded to the compute dtype where the XLA path stores values in it: each branch after its bias
+(here the float32 bias is added before that rounding), the GeLU before the product. Triton lowering (``interpret=True``: Pallas' interpreter, the CPU
 tests). ``D`` a multiple of ``_K``, ``M`` of 64 (``supported``); ``N`` is padded inside.
 """
 
@@ -28,11 +28,18 @@ from jax.experimental.pallas import triton as plgpu
 # shapes, against 0.1 ms of tensor-core work).
 _ROWS, _COLS, _K = 128, 128, 64
 _WARPS, _STAGES = 8, 3
+# float32 operands: half the K step and 2 stages (3 stages of 64 would ask for 288 KiB of shared
+# memory, more than an H100's 227 KiB). Triton then multiplies in full float32, not tensor cores.
+_K32, _STAGES32 = 32, 2
 
 
 def _cols(expanded: int) -> int:
   """Columns of a tile: ``_COLS``, or 64 where ``expanded`` is not a multiple of it."""
   return _COLS if expanded % _COLS == 0 else 64
+
+
+def _k_and_stages(dtype) -> tuple[int, int]:
+  return (_K, _STAGES) if jnp.dtype(dtype).itemsize <= 2 else (_K32, _STAGES32)
 
 
 def supported(width: int, expanded: int) -> bool:
@@ -45,19 +52,19 @@ def reference(x, w, b):
   return jax.nn.gelu(up[0]) * up[1]
 
 
-def _kernel(x_ref, w0_ref, w1_ref, b_ref, h_ref):
+def _kernel(x_ref, w0_ref, w1_ref, b_ref, h_ref, *, k_step):
   f32, dtype = jnp.float32, h_ref.dtype
   rows, cols = h_ref.shape
 
   def step(k, accs):
     a0, a1 = accs
-    xs = x_ref[:, pl.ds(k * _K, _K)]
-    a0 += jnp.dot(xs, w0_ref[pl.ds(k * _K, _K), :], preferred_element_type=f32)
-    a1 += jnp.dot(xs, w1_ref[pl.ds(k * _K, _K), :], preferred_element_type=f32)
+    xs = x_ref[:, pl.ds(k * k_step, k_step)]
+    a0 += jnp.dot(xs, w0_ref[pl.ds(k * k_step, k_step), :], preferred_element_type=f32)
+    a1 += jnp.dot(xs, w1_ref[pl.ds(k * k_step, k_step), :], preferred_element_type=f32)
     return a0, a1
 
   zeros = jnp.zeros((rows, cols), f32)
-  a0, a1 = jax.lax.fori_loop(0, x_ref.shape[1] // _K, step, (zeros, zeros))
+  a0, a1 = jax.lax.fori_loop(0, x_ref.shape[1] // k_step, step, (zeros, zeros))
   u0 = (a0 + b_ref[0, :].astype(f32)[None]).astype(dtype).astype(f32)
   u1 = (a1 + b_ref[1, :].astype(f32)[None]).astype(dtype).astype(f32)
   h_ref[...] = (jax.nn.gelu(u0).astype(dtype).astype(f32) * u1).astype(dtype)
@@ -71,19 +78,22 @@ def gated_up(x, w, b, *, interpret: bool = False):
   if w.shape != (2, d, m) or b.shape != (2, m) or not supported(d, m):
     raise ValueError(f"gated_up: x {x.shape}, w {w.shape}, b {b.shape}: need w [2, D, M], "
                      f"b [2, M], D a multiple of {_K}, M of 64")
-  rows, cols = -(-n // _ROWS) * _ROWS, _cols(m)
+  # rows a program: _ROWS, or fewer for a small batch (a power of two, 16 at least)
+  tile_rows = min(_ROWS, max(16, 1 << (n - 1).bit_length()))
+  rows, cols = -(-n // tile_rows) * tile_rows, _cols(m)
+  k_step, stages = _k_and_stages(x.dtype)
   h = pl.pallas_call(
-      _kernel,
+      functools.partial(_kernel, k_step=k_step),
       name="pallas_gated_up",
       out_shape=jax.ShapeDtypeStruct((rows, m), x.dtype),
-      grid=(rows // _ROWS, m // cols),
-      in_specs=[pl.BlockSpec((_ROWS, d), lambda r, c: (r, 0)),
+      grid=(rows // tile_rows, m // cols),
+      in_specs=[pl.BlockSpec((tile_rows, d), lambda r, c: (r, 0)),
                 pl.BlockSpec((None, d, cols), lambda r, c: (0, 0, c)),
                 pl.BlockSpec((None, d, cols), lambda r, c: (1, 0, c)),
                 pl.BlockSpec((2, cols), lambda r, c: (0, c))],
-      out_specs=pl.BlockSpec((_ROWS, cols), lambda r, c: (r, c)),
+      out_specs=pl.BlockSpec((tile_rows, cols), lambda r, c: (r, c)),
       compiler_params=None if interpret else plgpu.CompilerParams(num_warps=_WARPS,
-                                                                  num_stages=_STAGES),
+                                                                  num_stages=stages),
       interpret=interpret,
   )(jnp.pad(x, ((0, rows - n), (0, 0))), w.astype(x.dtype), w.astype(x.dtype), b)
   return h[:n]

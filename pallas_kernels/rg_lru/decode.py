@@ -25,9 +25,10 @@ about 32 us at the copy ceiling.
 
 Each program takes ``_ROWS`` rows and one gate block (grid ``(B / _ROWS, H)``): it computes the
 Conv1D of its block's channels, both gates from them (``E/H``-square dots in float32), the
-decay and the normalised input, and ``h = a * h0 + x_in``. Arithmetic in float32, rounded to
-the compute dtype where the XLA step rounds: the Conv1D output, the gate logits and the
-normalised input. Blocks whose size is not a power of two go in pieces
+decay and the normalised input, and ``h = a * h0 + x_in`` (written over ``h0``). Arithmetic in
+float32, rounded to the compute dtype where the XLA step stores values in it (the Conv1D output,
+the gate logits, the normalised input); the float32 sums in between (the bias added before the
+rounding, the Conv1D's taps) may differ from XLA's by an ulp of the compute dtype. Blocks whose size is not a power of two go in pieces
 (``gates.block_diagonal.pieces``: 160 = 128 + 32).
 
 Triton lowering (``interpret=True``: Pallas' generic interpreter, used by the tests on the
@@ -56,9 +57,9 @@ _C = 8.0     # log a_t = -C * gate_a * softplus(a_param) (recurrent.C)
 
 def supported(width: int, num_blocks: int, temporal_width: int) -> bool:
   """Whether the kernel takes ``num_blocks`` gate blocks over ``width`` channels and a Conv1D of
-  ``temporal_width`` taps (a power of two: one load of its weights)."""
+  ``temporal_width`` taps (its weights are read a row at a time: any width from 2)."""
   return (width % num_blocks == 0 and bd.supported(width // num_blocks, width // num_blocks)
-          and temporal_width >= 2 and temporal_width & (temporal_width - 1) == 0)
+          and temporal_width >= 2)
 
 
 def _piece(ref, start, size):
@@ -148,13 +149,16 @@ def decode_step(x, ring, count, segment_pos, conv_w, conv_b, w_x, w_a, b_x, b_a,
   # W - 1 - shifts[k] (``layers.Conv1D``: y = b + sum_s w[W-1-s] x[t-s]); the token's row last.
   shifts = tap_shifts(count, slots)
   w_slots = jnp.take(conv_w, slots - shifts, axis=0).astype(x.dtype)
-  rows = -(-batch // _ROWS) * _ROWS
+  # rows a program: _ROWS, or the batch rounded up to a power of two (16 at least: Triton's
+  # smallest dot) where that is fewer, so that a small batch is not padded to _ROWS
+  tile_rows = min(_ROWS, max(16, 1 << (batch - 1).bit_length()))
+  rows = -(-batch // tile_rows) * tile_rows
   pad = lambda a, axis=0, value=0: jnp.pad(
       a, [(0, rows - batch) if d == axis else (0, 0) for d in range(a.ndim)],
       constant_values=value)
   seg = pad(segment_pos.astype(jnp.int32), value=1)
-  tile = pl.BlockSpec((_ROWS, block), lambda r, k: (r, k))
-  slot_specs = [pl.BlockSpec((None, _ROWS, block), functools.partial(
+  tile = pl.BlockSpec((tile_rows, block), lambda r, k: (r, k))
+  slot_specs = [pl.BlockSpec((None, tile_rows, block), functools.partial(
       lambda s, r, k: (s, r, k), s)) for s in range(slots)]
   weight = pl.BlockSpec((1, block, block), lambda r, k: (k, 0, 0))
   bias = pl.BlockSpec((1, block), lambda r, k: (k, 0))
@@ -163,16 +167,17 @@ def decode_step(x, ring, count, segment_pos, conv_w, conv_b, w_x, w_a, b_x, b_a,
       name="pallas_recurrent_decode_step",
       out_shape=(jax.ShapeDtypeStruct((rows, width), x.dtype),
                  jax.ShapeDtypeStruct((rows, width), jnp.float32)),
-      grid=(rows // _ROWS, blocks),
+      grid=(rows // tile_rows, blocks),
       in_specs=[pl.BlockSpec((slots + 1,), lambda r, k: (0,)),
-                pl.BlockSpec((_ROWS,), lambda r, k: (r,)),
+                pl.BlockSpec((tile_rows,), lambda r, k: (r,)),
                 tile, *slot_specs,
                 pl.BlockSpec((slots + 1, block), lambda r, k: (0, k)),
                 pl.BlockSpec((block,), lambda r, k: (k,)),
                 weight, weight, bias, bias,
                 pl.BlockSpec((block,), lambda r, k: (k,)),
-                pl.BlockSpec((_ROWS, block), lambda r, k: (r, k))],
+                tile],
       out_specs=(tile, tile),
+      input_output_aliases={10 + slots: 1},  # h over h0: the state updated in place
       compiler_params=None if interpret else plgpu.CompilerParams(num_warps=_WARPS),
       interpret=interpret,
   )(shifts, seg, pad(x), *([pad(ring, axis=1)] * slots), w_slots, conv_b.astype(x.dtype),
