@@ -28,8 +28,8 @@ Conv1D of its block's channels, both gates from them (``E/H``-square dots in flo
 decay and the normalised input, and ``h = a * h0 + x_in`` (written over ``h0``). Arithmetic in
 float32, rounded to the compute dtype where the XLA step stores values in it (the Conv1D output,
 the gate logits, the normalised input); the float32 sums in between (the bias added before the
-rounding, the Conv1D's taps) may differ from XLA's by an ulp of the compute dtype. Blocks whose size is not a power of two go in pieces
-(``gates.block_diagonal.pieces``: 160 = 128 + 32).
+rounding, the Conv1D's taps) may differ from XLA's by an ulp of the compute dtype. Blocks whose
+size is not a power of two go in pieces (``gates.block_diagonal.pieces``: 160 = 128 + 32).
 
 Triton lowering (``interpret=True``: Pallas' generic interpreter, used by the tests on the
 CPU). ``E/H`` must be a multiple of 16 (``supported``); ``B`` is padded inside.
@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gates import block_diagonal as bd
+from pallas_kernels.rg_lru.reference import RG_LRU_C
 
 # Rows per program and warps (not yet timed; bench_decode_kernels.py sweeps them). Each program
 # reads its gate block's two weights (102 KB at blocks of 160) from L2: at 32 rows those are about
@@ -52,7 +53,6 @@ from pallas_kernels.gates import block_diagonal as bd
 # tiles (the Conv1D's pieces, two gate accumulators) in registers.
 _ROWS = 64
 _WARPS = 8
-_C = 8.0     # log a_t = -C * gate_a * softplus(a_param) (recurrent.C)
 
 
 def supported(width: int, num_blocks: int, temporal_width: int) -> bool:
@@ -99,7 +99,7 @@ def _kernel(shift_ref, seg_ref, x_ref, *refs, slots):
       return (acc + b_ref[0, pl.ds(c, m)].astype(f32)[None]).astype(dtype).astype(f32)
     gate_x = jax.nn.sigmoid(logits(wx_ref, bx_ref))
     gate_a = jax.nn.sigmoid(logits(wa_ref, ba_ref))
-    log_a = gate_a * _piece(la_ref, c, m)[None]  # la: -C * softplus(a_param)
+    log_a = gate_a * _piece(la_ref, c, m)[None]  # la: -RG_LRU_C * softplus(a_param)
     multiplier = jnp.where(reset, 1.0, jnp.sqrt(1.0 - jnp.exp(2.0 * log_a)))
     normalized = (x_in.astype(f32) * gate_x * multiplier).astype(dtype).astype(f32)
     h = jnp.where(reset, 0.0, jnp.exp(log_a)) * _piece(h0_ref, c, m) + normalized
@@ -119,7 +119,7 @@ def decode_step_reference(x, ring, count, segment_pos, conv_w, conv_b, w_x, w_a,
     conv = conv + jnp.where(seg >= shift, tap, 0) * conv_w[slots - shift]
   blocks = conv.reshape(conv.shape[0], w_x.shape[0], -1)
   gate = lambda w, b: jax.nn.sigmoid(jnp.einsum("bhi,hij->bhj", blocks, w) + b).reshape(conv.shape)
-  log_a = -_C * gate(w_a, b_a) * jax.nn.softplus(a_param)
+  log_a = -RG_LRU_C * gate(w_a, b_a) * jax.nn.softplus(a_param)
   reset = seg == 0
   multiplier = jnp.where(reset, 1.0, jnp.sqrt(1 - jnp.exp(2 * log_a)))
   h = jnp.where(reset, 0.0, jnp.exp(log_a)) * h0 + conv * gate(w_x, b_x) * multiplier
@@ -182,5 +182,5 @@ def decode_step(x, ring, count, segment_pos, conv_w, conv_b, w_x, w_a, b_x, b_a,
       interpret=interpret,
   )(shifts, seg, pad(x), *([pad(ring, axis=1)] * slots), w_slots, conv_b.astype(x.dtype),
     w_x.astype(x.dtype), w_a.astype(x.dtype), b_x, b_a,
-    -_C * jax.nn.softplus(a_param.astype(jnp.float32)), pad(h0.astype(jnp.float32)))
+    -RG_LRU_C * jax.nn.softplus(a_param.astype(jnp.float32)), pad(h0.astype(jnp.float32)))
   return y[:batch], h[:batch]

@@ -78,10 +78,7 @@ def main():
     return block.decode_step(x, seg, cache)
 
   def mlp_up(mlp, x):  # the decoding branch without the down-projection
-    w = mlp.ffw_up.w.value
-    up = jnp.einsum("cbd,cdm->cbm", jnp.broadcast_to(x[:, 0], (2, *x[:, 0].shape)), w)
-    up = up + mlp.ffw_up.b.value.reshape(2, 1, -1).astype(dt)
-    return jax.nn.gelu(up[0]) * up[1]
+    return gated_up.reference(x[:, 0], mlp.ffw_up.w.value, mlp.ffw_up.b.value.reshape(2, -1))
 
   interpret = jax.default_backend() == "cpu"
   timed = lambda f, *a: timing.time_fn(f, *a, iters=args.iters)
