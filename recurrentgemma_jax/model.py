@@ -116,10 +116,11 @@ class ModelConfig:
   attention_impl: str = "auto"          # auto | xla | cudnn (NVIDIA GPUs) | splash (TPUs)
   fused_rg_lru: str = "auto"            # auto | true | false: the RG-LRU layer as one fused kernel
   gate_impl: str = "auto"               # auto | xla | pallas: the RG-LRU's block-diagonal gate matmuls
-  mlp_impl: str = "auto"                # auto | xla | pallas: the MLP's GeLU gating (its backward)
+  mlp_impl: str = "auto"                # auto | xla | pallas: the MLP's GeLU gating (its backward;
+                                        # in a decoding step, with the up-projection)
   conv1d_impl: str = "auto"             # auto | xla | pallas: the recurrent block's Conv1D backward
   norm_impl: str = "auto"               # auto | xla | pallas: the blocks' RMSNorm backward
-  decode_impl: str = "auto"             # auto | xla | pallas: kernels of the decoding step
+  decode_impl: str = "auto"             # auto | xla | pallas: a recurrent block's decoding step
   remat: str = "none"
   scan_layers: str = "auto"  # auto | true | false: layers as one lax.scan (auto: with remat)
 
@@ -190,9 +191,14 @@ class ModelConfig:
 
   @property
   def resolved_mlp_impl(self) -> str:
-    """``auto``: the Triton backward of ``pallas_kernels.mlp`` on GPUs (MQA-400M training
-    steps 2.5% faster on an H100 than XLA's autodiff of the gating, docs/performance.md), else
-    XLA."""
+    """``auto``: the Triton kernels of ``pallas_kernels.mlp`` on GPUs, else XLA. In training,
+    the gating's backward (MQA-400M steps 2.5% faster on an H100 than XLA's autodiff of the
+    gating, docs/performance.md); in a decoding step, the up-projection with its GeLU gating as
+    one kernel (``gated_up``) that writes only the gated product, where XLA writes both branches
+    and reads them again, from ``gated_up.MIN_ROWS`` (1024) rows a device (on an H100 at 2048
+    rows: Hawk 1.3B's decoding step 0.23 ms faster, 14.79 against 15.02 ms, Griffin's 0.23 ms,
+    MQA's at 1024 rows 0.24 ms; slower at 512 rows and fewer; docs/bench/decode_log.md,
+    session 29)."""
     return _kernel_on_gpus(self.mlp_impl)
 
   @property
@@ -210,12 +216,12 @@ class ModelConfig:
 
   @property
   def resolved_decode_impl(self) -> str:
-    """``pallas``: the one-token decoding step through Triton kernels (interpreted on a CPU; a
-    TPU takes XLA's): a recurrent block's Conv1D, gates and RG-LRU update as one
-    (``pallas_kernels.rg_lru.decode``), where XLA makes five passes, and the MLP's
-    up-projection with its GeLU gating as one (``pallas_kernels.mlp.gated_up``), where XLA
-    writes both branches and reads them again. ``auto``: XLA, until the kernels are timed on a
-    GPU."""
+    """``pallas``: a recurrent block's one-token step (the Conv1D, the gates and the RG-LRU
+    update) as one Triton kernel, ``pallas_kernels.rg_lru.decode`` (interpreted on a CPU; a TPU
+    takes XLA's), where XLA makes five passes. ``auto``: XLA, which is faster: on an H100 at
+    Hawk 1.3B's shapes and 2048 rows, 0.16 ms a block for the kernel against XLA's 0.10 ms
+    (alone, in a loop of steps), and Hawk's decoding step 0.25 ms slower with it
+    (docs/bench/decode_log.md, session 29)."""
     return "xla" if self.decode_impl == "auto" else self.decode_impl
 
   @property
@@ -338,10 +344,9 @@ class MLPBlock(nnx.Module):
   """Gated MLP: ``down(gelu(x W_0 + b_0) * (x W_1 + b_1))``, both branches ``D -> M``."""
 
   def __init__(self, width: int, expanded: int, *, rngs: nnx.Rngs, final_init_scale: float,
-               param_dtype, dtype, impl: str = "xla", decode_impl: str = "xla"):
+               param_dtype, dtype, impl: str = "xla"):
     self.dtype = dtype
     self.impl = impl
-    self.decode_impl = decode_impl  # pallas: a decoding step's up-projection and gating as one
     self.ffw_up = GatedUpProjection(width, expanded, rngs=rngs, param_dtype=param_dtype)
     self.ffw_down = layers.Dense(expanded, width, axes=("mlp", "embed"), rngs=rngs,
                                  init_scale=final_init_scale, param_dtype=param_dtype,
@@ -353,11 +358,14 @@ class MLPBlock(nnx.Module):
     # way, and the backward needs no transposes of [2, B, T, M] activations (measured on an
     # H100: they were 12% of a Griffin-1B step).
     w = self.ffw_up.w.value.astype(self.dtype)
-    if (x.shape[1] == 1 and self.decode_impl == "pallas" and dispatch.target_platform() != "tpu"
+    if (x.shape[1] == 1 and self.impl == "pallas" and dispatch.target_platform() != "tpu"
         and gated_up.supported(*w.shape[1:])):
       # Decoding through one kernel that writes only the gated product
-      # (``pallas_kernels.mlp.gated_up``), per device under a mesh.
-      up = functools.partial(gated_up.gated_up, interpret=dispatch.target_platform() != "gpu")
+      # (``pallas_kernels.mlp.gated_up``), per device under a mesh, where its rows are enough.
+      def up(x, w, b):
+        if x.shape[0] < gated_up.MIN_ROWS:
+          return gated_up.reference(x, w, b)
+        return gated_up.gated_up(x, w, b, interpret=dispatch.target_platform() != "gpu")
       h = partitioning.shard_local(up, (("batch", None), (None, None, "mlp"), (None, "mlp")),
                                    ("batch", "mlp"))(x[:, 0], w,
                                                      self.ffw_up.b.value.reshape(2, -1))
@@ -415,7 +423,7 @@ class ResidualBlock(nnx.Module):
     setattr(self, TEMPORAL_NAMES[block_type], make_temporal_block(block_type, cfg, rngs, **kw))
     self.channel_pre_norm = layers.RMSNorm(cfg.width, **norm)
     self.mlp_block = MLPBlock(cfg.width, cfg.resolved_mlp_width, rngs=rngs,
-                              impl=cfg.resolved_mlp_impl, decode_impl=cfg.resolved_decode_impl,
+                              impl=cfg.resolved_mlp_impl,
                               final_init_scale=2.0 / cfg.num_layers, **kw)
 
   @property

@@ -78,8 +78,10 @@ def test_decode_step_rejects_mismatched_shapes():
 
 @pytest.mark.parametrize("family", ["hawk", "griffin"])
 def test_sampling_with_the_decode_kernel_equals_the_xla_step(family, monkeypatch):
-  """Greedy decoding through ``model.decode_impl=pallas`` (interpreted) gives the XLA step's
-  logits (float32: to rounding) and tokens, resets and prompts of two lengths included."""
+  """Greedy decoding through ``model.decode_impl=pallas`` and ``mlp_impl=pallas`` (the step
+  kernel and ``gated_up``, interpreted) gives the XLA step's
+  logits (float32: to rounding) and tokens, resets and prompts of two lengths included; under
+  ``gated_up.MIN_ROWS`` rows the MLP keeps XLA's path."""
   from pallas_kernels.mlp import gated_up  # pylint: disable=g-import-not-at-top
   calls, mlp_calls = [], []
   kernel, mlp_kernel = decode.decode_step, gated_up.gated_up
@@ -87,19 +89,23 @@ def test_sampling_with_the_decode_kernel_equals_the_xla_step(family, monkeypatch
   monkeypatch.setattr(gated_up, "gated_up",
                       lambda *a, **k: mlp_calls.append(1) or mlp_kernel(*a, **k))
   results = {}
-  for impl in ("xla", "pallas"):
+  for impl, min_rows in (("xla", 1), ("pallas", 2), ("pallas", 3)):  # 2 rows: kernel, kernel, XLA
+    monkeypatch.setattr(gated_up, "MIN_ROWS", min_rows)
+    jax.clear_caches()  # MIN_ROWS is read when tracing; the same config's trace is cached
+    calls.clear(), mlp_calls.clear()
     cfg = tiny_config(family=family, num_layers=3, attention_window_size=4, decode_impl=impl,
-                      width=64, mlp_expanded_width=128)
+                      mlp_impl=impl, width=64, mlp_expanded_width=128)
     model = perturbed(model_lib.init_model(cfg, seed=5), seed=6, scale=0.1)
     out = sampling.sample(model, [[1, 2, 3, 4, 5], [6, 7]],
                           sampling.SamplingParams(max_new_tokens=6), return_logits=True)
-    results[impl] = out
+    results[impl, min_rows] = out
     # traced once per recurrent block, and only for the kernel
     assert len(calls) == (0 if impl == "xla" else cfg.resolved_block_types.count("recurrent"))
-    assert len(mlp_calls) == (0 if impl == "xla" else cfg.num_layers)
-  np.testing.assert_allclose(results["pallas"].logits, results["xla"].logits, rtol=2e-5,
-                             atol=2e-5)
-  np.testing.assert_array_equal(results["pallas"].tokens, results["xla"].tokens)
+    assert len(mlp_calls) == (cfg.num_layers if (impl, min_rows) == ("pallas", 2) else 0)
+  for key in (("pallas", 2), ("pallas", 3)):
+    np.testing.assert_allclose(results[key].logits, results["xla", 1].logits, rtol=2e-5,
+                               atol=2e-5)
+    np.testing.assert_array_equal(results[key].tokens, results["xla", 1].tokens)
   assert model_lib.ModelConfig(decode_impl="auto").resolved_decode_impl == "xla"
   assert model_lib.ModelConfig(decode_impl="triton").errors() == [
       "model.decode_impl='triton' is not one of auto|xla|pallas"]

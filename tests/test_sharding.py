@@ -369,13 +369,14 @@ def test_cudnn_attention_chooses_per_device_and_matches_one_device(monkeypatch):
 
 
 def test_recurrent_decode_kernel_per_device_matches_one_device(monkeypatch):
-  """model.decode_impl=pallas under a 4 x 2 mesh: the step kernels run on each device's rows
+  """model.decode_impl=pallas and mlp_impl=pallas under a 4 x 2 mesh: the step kernels run on each device's rows
   (data=4) and gate blocks or MLP features (model=2), and greedy sampling gives one device's
   tokens."""
   from pallas_kernels.mlp import gated_up  # pylint: disable=g-import-not-at-top
   from pallas_kernels.rg_lru import decode  # pylint: disable=g-import-not-at-top
   from recurrentgemma_jax import sampling  # pylint: disable=g-import-not-at-top
   seen = set()
+  monkeypatch.setattr(gated_up, "MIN_ROWS", 2)  # every device's 2 rows take the kernel
   kernel, mlp_kernel = decode.decode_step, gated_up.gated_up
   monkeypatch.setattr(decode, "decode_step",
                       lambda x, *a, **k: seen.add(tuple(x.shape)) or kernel(x, *a, **k))
@@ -383,7 +384,8 @@ def test_recurrent_decode_kernel_per_device_matches_one_device(monkeypatch):
       ("mlp", *x.shape, w.shape[-1])) or mlp_kernel(x, w, b, **k))
   cfg = model_lib.ModelConfig(family="hawk", vocab_size=64, width=64, lru_width=64,
                               num_layers=2, num_heads=2, mlp_expanded_width=128,
-                              dtype="float32", decode_impl="pallas")
+                              dtype="float32", decode_impl="pallas",
+                              mlp_impl="pallas")
   model = model_lib.init_model(cfg, 0)
   prompts = [list(np.random.default_rng(r).integers(1, 64, 2 + r % 3)) for r in range(8)]
   params = sampling.SamplingParams(max_new_tokens=4)

@@ -22,15 +22,21 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# The tile (not yet timed; bench_decode_kernels.py sweeps it): 128 rows by 128 columns of each
-# branch, a 128 x 256 output tile's worth of accumulators, as XLA's and cuBLAS's large tiles.
-# Smaller tiles read x and w from L2 many more times (at 128 x 64: 1.6 GB a call at Hawk 1.3B's
-# shapes, against 0.1 ms of tensor-core work).
+# The tile: 128 rows by 128 columns of each branch, a 128 x 256 output tile's worth of
+# accumulators, as XLA's and cuBLAS's large tiles. On an H100 at Hawk 1.3B's shapes
+# (bench_decode_kernels.py, session 29): 0.191-0.196 ms a call with K 64 or 32 and 3 or 4
+# stages; 64 x 256 0.222, 128 x 64 (4 warps) 0.233; 5 stages exceed shared memory.
 _ROWS, _COLS, _K = 128, 128, 64
 _WARPS, _STAGES = 8, 3
 # float32 operands: half the K step and 2 stages (3 stages of 64 would ask for 288 KiB of shared
 # memory, more than an H100's 227 KiB). Triton then multiplies in full float32, not tensor cores.
 _K32, _STAGES32 = 32, 2
+
+# The fewest rows (per device) for which ``model.MLPBlock`` takes the kernel. Fewer rows leave the
+# matmul bound by reading the weights, where XLA's gemm (split over more SMs) is faster: Hawk
+# 1.3B's decoding step on an H100 (session 29) was 3.6% slower with the kernel at 16 rows, 5% at
+# 128, 0.6% at 512, and faster at 1024 rows (MQA, 1.4%) and 2048 (Hawk, 1.5%).
+MIN_ROWS = 1024
 
 
 def _cols(expanded: int) -> int:

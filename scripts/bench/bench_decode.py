@@ -4,7 +4,7 @@ paper's Fig. 1(b) and Fig. 4 protocol), with random weights of a given preset si
   python scripts/bench/bench_decode.py --out DIR [--size 1.3b] [--families mqa,hawk,griffin]
       [--new_tokens 512,1024,2048,4096] [--latency_batch 16] [--prefill 0,4096 | none]
       [--batches 16,32,...] [--max_batch 4096] [--hbm_budget_gb G] [--repeats 3]
-      [--deadline S] [--tiny] [--decode_impl auto|xla|pallas]
+      [--deadline S] [--tiny] [--decode_impl auto|xla|pallas] [--mlp_impl auto|xla|pallas]
 
 - Latency: batch ``--latency_batch``, a prompt of 1 token ("empty") or ``--prefill`` tokens,
   time to prefill and sample each ``--new_tokens`` count (``--prefill none``: skipped).
@@ -61,6 +61,8 @@ def main():
   parser.add_argument("--tiny", action="store_true", help="tiny models, for a CPU check")
   parser.add_argument("--decode_impl", default="auto", choices=("auto", "xla", "pallas"),
                       help="model.decode_impl: the recurrent blocks' decoding step")
+  parser.add_argument("--mlp_impl", default="auto", choices=("auto", "xla", "pallas"),
+                      help="model.mlp_impl: the MLP's kernels (decoding: up-projection + gating)")
   args = parser.parse_args()
 
   import jax  # pylint: disable=g-import-not-at-top
@@ -112,7 +114,7 @@ def main():
   print(f"peak {peak / 1e12:.0f} TFLOP/s, copy ceiling {ceiling / 1e12:.2f} TB/s", flush=True)
   for family in args.families.split(","):
     model = build_model(family, args.size, args.vocab_size, args.tiny,
-                        decode_impl=args.decode_impl)
+                        decode_impl=args.decode_impl, mlp_impl=args.mlp_impl)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
     def floor(batch, prompt_len, new, model=model, n_params=n_params):
@@ -158,10 +160,10 @@ def main():
   print(write(results))
 
 
-def build_model(family: str, size: str, vocab_size: int, tiny: bool = False,
-                decode_impl: str = "auto"):
+def build_model(family: str, size: str, vocab_size: int, tiny: bool = False, **overrides):
   """A randomly initialised preset model (bfloat16 weights and compute); ``tiny``: a few
-  thousand parameters of the same family, for a CPU check."""
+  thousand parameters of the same family, for a CPU check; ``overrides``: ModelConfig fields
+  (``decode_impl``, ``mlp_impl``)."""
   from recurrentgemma_jax import model as model_lib  # pylint: disable=g-import-not-at-top
   from recurrentgemma_jax import presets  # pylint: disable=g-import-not-at-top
   fields = presets.preset(family, size)
@@ -169,7 +171,7 @@ def build_model(family: str, size: str, vocab_size: int, tiny: bool = False,
     fields.update(width=64, lru_width=64, num_layers=3, num_heads=2, num_gate_blocks=2,
                   mlp_expanded_width=128, attention_window_size=16)
   cfg = model_lib.ModelConfig(vocab_size=vocab_size, dtype="bfloat16", param_dtype="bfloat16",
-                              decode_impl=decode_impl, **fields)
+                              **fields, **overrides)
   return model_lib.init_model(cfg, seed=0)
 
 

@@ -3,7 +3,10 @@ model's shapes, with their floors and tile variants.
 
   python scripts/bench/bench_decode_kernels.py [--batch 2048] [--width 2048]
       [--lru_width 2560] [--gate_blocks 16] [--mlp 6144] [--step_tiles 64x8,32x4,64x4,128x8]
-      [--mlp_tiles 128x128x64x8x3,...] [--iters 20] [--tiny]
+      [--mlp_tiles 128x128x64x8x3,...] [--steps 50] [--iters 5] [--tiny]
+
+Each row times ``--steps`` steps in one ``fori_loop`` (the median of ``--iters`` loops), the
+step's output feeding the next step's input: device time per step, as inside the decoding loop.
 
 Rows (defaults: Hawk 1.3B's recurrent block at 2048 rows, bfloat16):
 
@@ -21,7 +24,6 @@ Rows (defaults: Hawk 1.3B's recurrent block at 2048 rows, bfloat16):
 """
 
 import argparse
-import functools
 import os
 import sys
 
@@ -50,12 +52,13 @@ def main():
   parser.add_argument("--step_tiles", default="64x8,32x4,64x4,128x8")
   parser.add_argument("--mlp_tiles",
                       default="128x128x64x8x3,128x128x64x8x4,128x64x64x8x3,64x128x64x4x4")
-  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--iters", type=int, default=5, help="timed loops (median)")
+  parser.add_argument("--steps", type=int, default=50, help="steps a timed loop")
   parser.add_argument("--tiny", action="store_true")
   args = parser.parse_args()
   if args.tiny:
     args.batch, args.width, args.lru_width, args.gate_blocks, args.mlp = 5, 64, 64, 2, 128
-    args.step_tiles, args.mlp_tiles, args.iters = "32x4", "64x64x64x4x2", 1
+    args.step_tiles, args.mlp_tiles, args.iters, args.steps = "32x4", "64x64x64x4x2", 1, 2
   b, d, e, m = args.batch, args.width, args.lru_width, args.mlp
   dt = jnp.bfloat16
   rngs = nnx.Rngs(0)
@@ -78,10 +81,34 @@ def main():
     return block.decode_step(x, seg, cache)
 
   def mlp_up(mlp, x):  # the decoding branch without the down-projection
-    return gated_up.reference(x[:, 0], mlp.ffw_up.w.value, mlp.ffw_up.b.value.reshape(2, -1))
+    return gated_up.reference(x[:, 0], mlp.ffw_up.w[...], mlp.ffw_up.b[...].reshape(2, -1))
 
   interpret = jax.default_backend() == "cpu"
-  timed = lambda f, *a: timing.time_fn(f, *a, iters=args.iters)
+
+  def per_step(body, module, carry):
+    """Device ms per step of ``carry = body(module, carry)``, ``--steps`` of them in one
+    ``fori_loop`` (one program: no host time between steps, as in the decoding loop)."""
+    graph, state = nnx.split(module)
+    loop = jax.jit(lambda state, carry: jax.lax.fori_loop(
+        0, args.steps, lambda _, c: body(nnx.merge(graph, state), c), carry))
+    return timing.time_fn(loop, state, carry, iters=args.iters, calls=1) / args.steps
+
+  def recurrent_body(step):  # the token's output is the next token's input, as between layers
+    def body(block, carry):
+      x, cache = carry
+      y, h, ring = step(block, x, seg, cache)
+      return y, recurrent.RecurrentCache(h, ring, cache.tokens + 1)
+    return body
+
+  def mlp_body(up):
+    # The row sums feed the next input: the loop-invariant up-projection is not hoisted, and
+    # no slice of the output lets XLA narrow it. Both rows pay for that sum (one read of the
+    # output, about a tenth of its floor).
+    def body(mlp, x):
+      out = up(mlp, x)
+      return x + out.astype(jnp.float32).sum(-1)[:, None, None].astype(x.dtype) * 1e-6
+    return body
+
   ceiling = timing.copy_ceiling(1 << 30 if not args.tiny else 1 << 20)
   peak = flops.device_peak_flops() or 0.0
   step_floor = 20 * b * e / ceiling * 1e3
@@ -93,29 +120,30 @@ def main():
   row = lambda work, impl, ms, floor: print(
       f"| {work} | {impl} | {ms:.4f} | {floor:.4f} | {floor / ms:.0%} |", flush=True)
 
-  row("Conv1D + gates + RG-LRU update", "XLA", timed(nnx.jit(xla_step), block, x, seg, cache),
+  row("Conv1D + gates + RG-LRU update", "XLA", per_step(recurrent_body(xla_step), block, (x, cache)),
       step_floor)
   for tile in args.step_tiles.split(","):
     rows, warps = map(int, tile.split("x"))
     decode._ROWS, decode._WARPS = rows, warps  # pylint: disable=protected-access
     jax.clear_caches()
     try:
-      ms = timed(nnx.jit(kernel_step), block, x, seg, cache)
+      ms = per_step(recurrent_body(kernel_step), block, (x, cache))
       row("Conv1D + gates + RG-LRU update", f"kernel, {rows} rows a program, {warps} warps", ms,
           step_floor)
     except Exception as err:  # pylint: disable=broad-except  (a tile Triton rejects)
       print(f"| Conv1D + gates + RG-LRU update | kernel, tile {tile} | error: "
             f"{str(err).splitlines()[0][:150]} | | |", flush=True)
 
-  row("MLP up-projection + GeLU gating", "XLA", timed(nnx.jit(mlp_up), mlp, xm), mlp_floor)
-  w, bias = mlp.ffw_up.w.value, mlp.ffw_up.b.value.reshape(2, -1)
+  row("MLP up-projection + GeLU gating", "XLA", per_step(mlp_body(mlp_up), mlp, xm), mlp_floor)
   for tile in args.mlp_tiles.split(","):
     r, c, k, warps, stages = map(int, tile.split("x"))
     gated_up._ROWS, gated_up._COLS, gated_up._K = r, c, k  # pylint: disable=protected-access
     gated_up._WARPS, gated_up._STAGES = warps, stages  # pylint: disable=protected-access
     jax.clear_caches()
     try:
-      ms = timed(functools.partial(gated_up.gated_up, interpret=interpret), xm[:, 0], w, bias)
+      up = lambda mlp, x: gated_up.gated_up(x[:, 0], mlp.ffw_up.w[...],
+                                            mlp.ffw_up.b[...].reshape(2, -1), interpret=interpret)
+      ms = per_step(mlp_body(up), mlp, xm)
       row("MLP up-projection + GeLU gating", f"kernel, tile {r}x{c}, K {k}, {warps} warps, "
           f"{stages} stages", ms, mlp_floor)
     except Exception as err:  # pylint: disable=broad-except

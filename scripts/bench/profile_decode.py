@@ -2,7 +2,7 @@
 
   python scripts/bench/profile_decode.py --family mqa [--size 1.3b] [--batch 1024]
       [--position 2048] [--steps 32] [--profile DIR] [--hlo FILE] [--tiny]
-      [--decode_impl auto|xla|pallas]
+      [--decode_impl auto|xla|pallas] [--mlp_impl auto|xla|pallas]
       [--xla_option xla_gpu_enable_triton_gemm=false ...]
 
 Decodes ``--steps`` greedy tokens per row (``sampling.decode``, compiled ahead of time) from
@@ -83,6 +83,8 @@ def main():
   parser.add_argument("--tiny", action="store_true", help="tiny models, for a CPU check")
   parser.add_argument("--decode_impl", default="auto", choices=("auto", "xla", "pallas"),
                       help="model.decode_impl: the recurrent blocks' decoding step")
+  parser.add_argument("--mlp_impl", default="auto", choices=("auto", "xla", "pallas"),
+                      help="model.mlp_impl: the MLP's kernels (decoding: up-projection + gating)")
   parser.add_argument("--xla_option", action="append", default=[], metavar="NAME=VALUE",
                       help="an XLA option for this loop's compile only, e.g. "
                            "xla_gpu_enable_triton_gemm=false (repeatable)")
@@ -106,7 +108,7 @@ def main():
   import timing  # pylint: disable=g-import-not-at-top
 
   model = bench_decode.build_model(args.family, args.size, args.vocab_size, args.tiny,
-                                   decode_impl=args.decode_impl)
+                                   decode_impl=args.decode_impl, mlp_impl=args.mlp_impl)
   state = nnx.state(model)
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   peak = flops.device_peak_flops() or 0.0
