@@ -220,7 +220,7 @@ class ModelConfig:
     update) as one Triton kernel, ``pallas_kernels.rg_lru.decode`` (interpreted on a CPU; a TPU
     takes XLA's), where XLA makes five passes. ``auto``: XLA, which is faster: on an H100 at
     Hawk 1.3B's shapes and 2048 rows, 0.16 ms a block for the kernel against XLA's 0.10 ms
-    (alone, in a loop of steps), and Hawk's decoding step 0.25 ms slower with it
+    (alone, in a loop of steps), and Hawk's decoding step 0.26 ms slower with it
     (docs/bench/decode_log.md, session 29)."""
     return "xla" if self.decode_impl == "auto" else self.decode_impl
 
@@ -359,11 +359,12 @@ class MLPBlock(nnx.Module):
     # H100: they were 12% of a Griffin-1B step).
     w = self.ffw_up.w.value.astype(self.dtype)
     if (x.shape[1] == 1 and self.impl == "pallas" and dispatch.target_platform() != "tpu"
-        and gated_up.supported(*w.shape[1:])):
+        and x.shape[0] >= gated_up.MIN_ROWS):
       # Decoding through one kernel that writes only the gated product
-      # (``pallas_kernels.mlp.gated_up``), per device under a mesh, where its rows are enough.
+      # (``pallas_kernels.mlp.gated_up``), per device under a mesh, where that device's rows
+      # are enough and its share of the features fits the kernel's tiles.
       def up(x, w, b):
-        if x.shape[0] < gated_up.MIN_ROWS:
+        if x.shape[0] < gated_up.MIN_ROWS or not gated_up.supported(*w.shape[1:]):
           return gated_up.reference(x, w, b)
         return gated_up.gated_up(x, w, b, interpret=dispatch.target_platform() != "gpu")
       h = partitioning.shard_local(up, (("batch", None), (None, None, "mlp"), (None, "mlp")),

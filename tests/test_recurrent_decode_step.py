@@ -79,9 +79,9 @@ def test_decode_step_rejects_mismatched_shapes():
 @pytest.mark.parametrize("family", ["hawk", "griffin"])
 def test_sampling_with_the_decode_kernel_equals_the_xla_step(family, monkeypatch):
   """Greedy decoding through ``model.decode_impl=pallas`` and ``mlp_impl=pallas`` (the step
-  kernel and ``gated_up``, interpreted) gives the XLA step's
-  logits (float32: to rounding) and tokens, resets and prompts of two lengths included; under
-  ``gated_up.MIN_ROWS`` rows the MLP keeps XLA's path."""
+  kernel and ``gated_up``, interpreted) gives the XLA step's logits (float32: to rounding) and
+  tokens, resets and prompts of two lengths included; under ``gated_up.MIN_ROWS`` rows the MLP
+  keeps XLA's path."""
   from pallas_kernels.mlp import gated_up  # pylint: disable=g-import-not-at-top
   calls, mlp_calls = [], []
   kernel, mlp_kernel = decode.decode_step, gated_up.gated_up

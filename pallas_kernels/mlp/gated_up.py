@@ -34,8 +34,8 @@ _K32, _STAGES32 = 32, 2
 
 # The fewest rows (per device) for which ``model.MLPBlock`` takes the kernel. Fewer rows leave the
 # matmul bound by reading the weights, where XLA's gemm (split over more SMs) is faster: Hawk
-# 1.3B's decoding step on an H100 (session 29) was 3.6% slower with the kernel at 16 rows, 5% at
-# 128, 0.6% at 512, and faster at 1024 rows (MQA, 1.4%) and 2048 (Hawk, 1.5%).
+# 1.3B's decoding step on an H100 (session 29, means of two runs) was 3.2% slower with the kernel
+# at 16 rows, 5.3% at 128, 0.7% at 512, and faster at 1024 rows (MQA, 1.4%) and 2048 (Hawk, 1.5%).
 MIN_ROWS = 1024
 
 
