@@ -358,22 +358,19 @@ class MLPBlock(nnx.Module):
     # way, and the backward needs no transposes of [2, B, T, M] activations (measured on an
     # H100: they were 12% of a Griffin-1B step).
     w = self.ffw_up.w.value.astype(self.dtype)
-    if (x.shape[1] == 1 and self.impl == "pallas" and dispatch.target_platform() != "tpu"
-        and x.shape[0] >= gated_up.MIN_ROWS):
-      # Decoding through one kernel that writes only the gated product
-      # (``pallas_kernels.mlp.gated_up``), per device under a mesh, where that device's rows
-      # are enough and its share of the features fits the kernel's tiles.
-      def up(x, w, b):
-        if x.shape[0] < gated_up.MIN_ROWS or not gated_up.supported(*w.shape[1:]):
+    if x.shape[1] == 1:  # decoding, one token per row (``gated_up``'s layout)
+      up = gated_up.reference
+      if (self.impl == "pallas" and dispatch.target_platform() != "tpu"
+          and gated_up.worthwhile(x.shape[0], *w.shape[1:])):
+        # One kernel that writes only the gated product, per device under a mesh where that
+        # device's rows and share of the features are worth it.
+        def local(x, w, b):
+          if gated_up.worthwhile(x.shape[0], *w.shape[1:]):
+            return gated_up.gated_up(x, w, b, interpret=dispatch.target_platform() != "gpu")
           return gated_up.reference(x, w, b)
-        return gated_up.gated_up(x, w, b, interpret=dispatch.target_platform() != "gpu")
-      h = partitioning.shard_local(up, (("batch", None), (None, None, "mlp"), (None, "mlp")),
-                                   ("batch", "mlp"))(x[:, 0], w,
-                                                     self.ffw_up.b.value.reshape(2, -1))
-      return self.ffw_down(h[:, None])
-    if x.shape[1] == 1:  # decoding, one token per row (``gated_up.reference``: its layout)
-      return self.ffw_down(gated_up.reference(
-          x[:, 0], w, self.ffw_up.b.value.reshape(2, -1))[:, None])
+        up = partitioning.shard_local(local, (("batch", None), (None, None, "mlp"), (None, "mlp")),
+                                      ("batch", "mlp"))
+      return self.ffw_down(up(x[:, 0], w, self.ffw_up.b.value.reshape(2, -1))[:, None])
     bias = self.ffw_up.b.value.astype(self.dtype)
     bias = bias.reshape(bias.shape[0], bias.shape[-1])
     up = jnp.einsum("btd,cdm->btcm", x, w)

@@ -92,7 +92,8 @@ def test_sampling_with_the_decode_kernel_equals_the_xla_step(family, monkeypatch
   for impl, min_rows in (("xla", 1), ("pallas", 2), ("pallas", 3)):  # 2 rows: kernel, kernel, XLA
     monkeypatch.setattr(gated_up, "MIN_ROWS", min_rows)
     jax.clear_caches()  # MIN_ROWS is read when tracing; the same config's trace is cached
-    calls.clear(), mlp_calls.clear()
+    calls.clear()
+    mlp_calls.clear()
     cfg = tiny_config(family=family, num_layers=3, attention_window_size=4, decode_impl=impl,
                       mlp_impl=impl, width=64, mlp_expanded_width=128)
     model = perturbed(model_lib.init_model(cfg, seed=5), seed=6, scale=0.1)

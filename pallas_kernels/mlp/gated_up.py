@@ -10,7 +10,8 @@ docs/bench/decode_log.md, session 28).
 
 Rounded to the compute dtype where the XLA path stores values in it: each branch after its bias
 (here the float32 bias is added before that rounding), the GeLU before the product. Triton
-lowering (``interpret=True``: Pallas' interpreter, the CPU tests). ``D`` a multiple of ``_K``, ``M`` of 64 (``supported``); ``N`` is padded inside.
+lowering (``interpret=True``: Pallas' interpreter, the CPU tests). ``D`` a multiple of ``_K``,
+``M`` of 64 (``supported``); ``N`` is padded inside.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ def _k_and_stages(dtype) -> tuple[int, int]:
 
 def supported(width: int, expanded: int) -> bool:
   return width % _K == 0 and expanded % 64 == 0
+
+
+def worthwhile(rows: int, width: int, expanded: int) -> bool:
+  """Whether ``model.MLPBlock`` takes the kernel: shapes it takes, ``MIN_ROWS`` rows or more."""
+  return rows >= MIN_ROWS and supported(width, expanded)
 
 
 def reference(x, w, b):
