@@ -123,12 +123,15 @@ class BlockDiagonalLinear(nnx.Module):
     self.b = zeros((num_blocks, width_out // num_blocks), param_dtype, ("blocks", None))
 
   def __call__(self, x: Float[Array, "*b t d"]) -> Float[Array, "*b t f"]:
-    x = x.astype(self.dtype)
-    w = self.w.value.astype(self.dtype)
-    bias = self.b.value.astype(self.dtype).reshape(-1)
-    xb = x.reshape(*x.shape[:-1], self.num_blocks, -1)
-    y = jnp.einsum("...hi,hij->...hj", xb, w)
-    return y.reshape(*x.shape[:-1], -1) + bias
+    return block_diagonal(x, self.w.value, self.b.value, self.dtype)
+
+
+def block_diagonal(x, w, b, dtype):
+  """``BlockDiagonalLinear``'s map of ``x`` ``[..., H*I]`` by ``w`` ``[H, I, J]`` and ``b``
+  ``[H, J]``, in ``dtype``."""
+  x = x.astype(dtype)
+  y = jnp.einsum("...hi,hij->...hj", x.reshape(*x.shape[:-1], w.shape[0], -1), w.astype(dtype))
+  return y.reshape(*x.shape[:-1], -1) + b.astype(dtype).reshape(-1)
 
 
 def document_ids(segment_pos: Int[Array, "b t"]) -> Int[Array, "b t"]:

@@ -28,7 +28,7 @@ from sharding import partitioning
 FAMILIES = ("griffin", "hawk", "mqa", "gla")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 # gate_impl, mlp_impl, conv1d_impl, norm_impl, decode_impl: a Pallas kernel or XLA (auto:
-# _kernel_on_gpus, except decode_impl)
+# _kernel_on_gpus)
 KERNEL_IMPLS = ("auto", "xla", "pallas")
 FUSED_RG_LRU = ("auto", "true", "false")
 SCAN_LAYERS = ("auto", "true", "false")
@@ -216,13 +216,13 @@ class ModelConfig:
 
   @property
   def resolved_decode_impl(self) -> str:
-    """``pallas``: a recurrent block's one-token step (the Conv1D, the gates and the RG-LRU
-    update) as one Triton kernel, ``pallas_kernels.rg_lru.decode`` (interpreted on a CPU; a TPU
-    takes XLA's), where XLA makes five passes. ``auto``: XLA, which is faster: on an H100 at
-    Hawk 1.3B's shapes and 2048 rows, 0.16 ms a block for the kernel against XLA's 0.10 ms
-    (alone, in a loop of steps), and Hawk's decoding step 0.26 ms slower with it
-    (docs/bench/decode_log.md, session 29)."""
-    return "xla" if self.decode_impl == "auto" else self.decode_impl
+    """``pallas``: a recurrent block's one-token step after its Conv1D (both gates and the
+    RG-LRU update) as one Triton kernel, ``pallas_kernels.rg_lru.decode`` (interpreted on a
+    CPU; a TPU takes XLA's), where XLA runs the gate kernel and then passes of its own, from
+    ``decode.MIN_ROWS`` (2048) rows a device. ``auto``: on GPUs (on an H100 at Hawk 1.3B's
+    2048 rows: the decoding step 14.25-14.29 ms against 14.54-14.57, Griffin's 17.39 against
+    17.66; slower at 512 rows and fewer; docs/bench/decode_log.md, session 30)."""
+    return _kernel_on_gpus(self.decode_impl)
 
   @property
   def layers_scanned(self) -> bool:

@@ -194,7 +194,7 @@ class RecurrentBlock(nnx.Module):
     y = jax.nn.gelu(self.linear_y(x))
     x = self.linear_x(x)
     count = 0 if cache is None else cache.tokens
-    if cache is not None and x.shape[1] == 1 and self._step_kernel():
+    if cache is not None and x.shape[1] == 1 and self._step_kernel(x.shape[0]):
       x, h_last, conv_state = self.decode_step(x, segment_pos, cache)
     else:
       x, conv_state = self.conv_1d(x, segment_pos, None if cache is None else cache.conv1d_state,
@@ -203,35 +203,42 @@ class RecurrentBlock(nnx.Module):
     return self.linear_out(x * y), RecurrentCache(h_last, conv_state,
                                                   jnp.asarray(count + x.shape[1], jnp.int32))
 
-  def _step_kernel(self) -> bool:
-    """Whether a one-token step runs through ``pallas_kernels.rg_lru.decode``."""
+  def _step_kernel(self, rows: int) -> bool:
+    """Whether a one-token step of ``rows`` rows may take ``pallas_kernels.rg_lru.decode``
+    (``decode_step`` asks again per device under a mesh)."""
     w = self.rg_lru.input_gate.w.value
     return (self.decode_impl == "pallas" and dispatch.target_platform() != "tpu"
-            and decode_kernel.supported(w.shape[0] * w.shape[1], w.shape[0],
-                                 self.conv_1d.temporal_width))
+            and decode_kernel.worthwhile(rows, w.shape[0] * w.shape[1], w.shape[0]))
 
   def decode_step(self, x, segment_pos, cache: RecurrentCache):
-    """One token per row (``x``: ``linear_x``'s output, ``[B, 1, E]``) through the Conv1D, the
-    gates and the RG-LRU update in one kernel; the token then goes into the Conv1D's ring in
-    place. Returns ``(y [B, 1, E], h [B, E], ring)``, as the XLA path."""
-    conv, lru = self.conv_1d, self.rg_lru
-    x = x[:, 0].astype(conv.dtype)
-    rows, ring_axes, lru_axes = ("batch", "lru"), (None, "batch", "lru"), ("lru",)
+    """One token per row (``x``: ``linear_x``'s output, ``[B, 1, E]``): XLA's Conv1D over the
+    ring (which takes the token in place), then the gates and the RG-LRU update in one kernel
+    (``pallas_kernels.rg_lru.decode``), per device under a mesh; a device with fewer rows than
+    ``decode.MIN_ROWS`` takes XLA's gates and update instead. Returns ``(y [B, 1, E], h [B, E],
+    ring)``, as the XLA path."""
+    lru = self.rg_lru
+    x, ring = self.conv_1d(x, segment_pos, cache.conv1d_state, cache.tokens)
+
+    def local(x, seg, w_x, w_a, b_x, b_a, a_param, h0):
+      if decode_kernel.worthwhile(x.shape[0], x.shape[1], w_x.shape[0]):
+        return decode_kernel.gates_update(x, seg, w_x, w_a, b_x, b_a, a_param, h0,
+                                          interpret=dispatch.target_platform() != "gpu")
+      gate = lambda w, b: layers.block_diagonal(x, w, b, lru.dtype)[:, None]
+      normalized, a = gated_inputs(x[:, None], gate(w_x, b_x), gate(w_a, b_a), a_param,
+                                   seg[:, None] == 0)
+      h = a[:, 0] * h0 + normalized[:, 0].astype(a.dtype)
+      return h.astype(x.dtype), h
+
+    rows, lru_axes = ("batch", "lru"), ("lru",)
     # The gate blocks split over the mesh as the channels do: named "lru" too, so that the
     # channels split only where the blocks do (shard_local splits an axis name alike everywhere).
     blocks, block_bias = ("lru", None, None), ("lru", None)
-    step = functools.partial(decode_kernel.decode_step,
-                             interpret=dispatch.target_platform() != "gpu")
     y, h = partitioning.shard_local(
-        step, (rows, ring_axes, (), ("batch",), (None, "lru"), lru_axes, blocks, blocks,
-               block_bias, block_bias, lru_axes, rows), (rows, rows))(
-                   x, cache.conv1d_state, cache.tokens, segment_pos[:, 0], conv.w.value,
-                   conv.b.value, lru.input_gate.w.value, lru.a_gate.w.value,
-                   lru.input_gate.b.value, lru.a_gate.b.value, lru.a_param.value,
-                   cache.rg_lru_state)
-    ring = jax.lax.dynamic_update_index_in_dim(
-        cache.conv1d_state, x.astype(cache.conv1d_state.dtype),
-        cache.tokens % (conv.temporal_width - 1), axis=0)
+        local, (rows, ("batch",), blocks, blocks, block_bias, block_bias, lru_axes, rows),
+        (rows, rows))(
+            x[:, 0].astype(lru.dtype), segment_pos[:, 0], lru.input_gate.w.value,
+            lru.a_gate.w.value, lru.input_gate.b.value, lru.a_gate.b.value, lru.a_param.value,
+            cache.rg_lru_state)
     return y[:, None], h, ring
 
   def init_cache(self, batch_size: int, max_len: int, dtype) -> RecurrentCache:

@@ -1,5 +1,6 @@
-"""The recurrent block's one-kernel decoding step (``pallas_kernels.rg_lru.decode``) against a
-float64 NumPy reference, and the model's decoding with it against the XLA step."""
+"""The recurrent block's decoding kernel (``pallas_kernels.rg_lru.decode``: both gates and the
+RG-LRU update for one token) against a float64 NumPy reference, and the model's decoding with
+it against the XLA step."""
 
 import jax
 import jax.numpy as jnp
@@ -12,85 +13,86 @@ from recurrentgemma_jax import sampling
 from test_model import perturbed, tiny_config
 
 
-def reference_step(x, ring, count, seg, conv_w, conv_b, w_x, w_a, b_x, b_a, a_param, h0):
-  """The step in float64 from the equations: the Conv1D over the ring (``layers.Conv1D``), the
-  block-diagonal gates, the RG-LRU's decay and normalised input, ``h = a h0 + x_in``."""
+def reference_update(x, seg, w_x, w_a, b_x, b_a, a_param, h0, dtype):
+  """The step in float64 from the equations: the block-diagonal gates, the RG-LRU's decay and
+  normalised input, ``h = a h0 + x_in``; the gate logits and the normalised input rounded to
+  ``dtype`` where the model stores them in it."""
   f = lambda a: np.asarray(a, np.float64)
-  x, ring, conv_w, conv_b, h0 = map(f, (x, ring, conv_w, conv_b, h0))
-  slots = ring.shape[0]
-  seg = np.asarray(seg)[:, None]
-  conv = x * conv_w[slots] + conv_b
-  for shift in range(1, slots + 1):
-    conv = conv + np.where(seg >= shift, ring[(count - shift) % slots], 0.0) * conv_w[slots - shift]
-  blocks = conv.reshape(conv.shape[0], w_x.shape[0], -1)
-  gate = lambda w, b: 1 / (1 + np.exp(-(np.einsum("bhi,hij->bhj", blocks, f(w)) + f(b))))
-  gate_x = gate(w_x, b_x).reshape(conv.shape)
-  gate_a = gate(w_a, b_a).reshape(conv.shape)
+  rnd = lambda a: np.asarray(jnp.asarray(a, jnp.float32).astype(dtype).astype(jnp.float32),
+                             np.float64)
+  x, h0 = f(x), f(h0)
+  blocks = x.reshape(x.shape[0], w_x.shape[0], -1)
+  logits = lambda w, b: rnd(np.einsum("bhi,hij->bhj", blocks, f(w)) + f(b)).reshape(x.shape)
+  gate_x = 1 / (1 + np.exp(-logits(w_x, b_x)))
+  gate_a = 1 / (1 + np.exp(-logits(w_a, b_a)))
   log_a = -8.0 * gate_a * np.logaddexp(f(a_param), 0.0)
-  reset = seg == 0
+  reset = np.asarray(seg)[:, None] == 0
   multiplier = np.where(reset, 1.0, np.sqrt(1 - np.exp(2 * log_a)))
-  return np.where(reset, 0.0, np.exp(log_a)) * h0 + conv * gate_x * multiplier
+  return np.where(reset, 0.0, np.exp(log_a)) * h0 + rnd(x * gate_x * multiplier)
 
 
-def random_inputs(seed, batch, width, blocks, slots, dtype, count):
+def random_inputs(seed, batch, width, blocks, dtype):
   rng = np.random.default_rng(seed)
   block = width // blocks
   arr = lambda shape, scale=1.0, dt=dtype: jnp.asarray(rng.normal(size=shape) * scale, dt)
-  seg = rng.choice([0, 1, 2, 3, 4, 50], size=batch).astype(np.int32)
-  seg[:min(batch, slots + 2)] = np.arange(min(batch, slots + 2))  # every mask case
-  return (arr((batch, width)), arr((slots, batch, width)), jnp.int32(count), jnp.asarray(seg),
-          arr((slots + 1, width), 0.5), arr((width,), 0.1),
+  seg = rng.choice([0, 1, 2, 50], size=batch).astype(np.int32)
+  seg[0] = 0  # a document start
+  return (arr((batch, width)), jnp.asarray(seg),
           arr((blocks, block, block), block ** -0.5), arr((blocks, block, block), block ** -0.5),
           arr((blocks, block), 0.1, jnp.float32), arr((blocks, block), 0.1, jnp.float32),
           arr((width,), 1.0, jnp.float32), arr((batch, width), 1.0, jnp.float32))
 
 
-@pytest.mark.parametrize("batch,width,blocks,slots,dtype,count", [
-    (5, 96, 2, 3, jnp.float32, 7),       # blocks of 48 (pieces 32 + 16), padded rows
-    (70, 64, 4, 3, jnp.bfloat16, 2),     # blocks of 16, two row tiles
-    (3, 320, 2, 1, jnp.float32, 0),      # blocks of 160 (128 + 32), a 2-tap Conv1D
-    (6, 64, 2, 2, jnp.float32, 4),       # a 3-tap Conv1D
+@pytest.mark.parametrize("batch,width,blocks,dtype,cols", [
+    (5, 96, 2, jnp.float32, 32),      # blocks of 48 (pieces 32 + 16, unrolled), padded rows
+    (70, 64, 4, jnp.bfloat16, 32),    # blocks of 16, two row tiles
+    (3, 320, 2, jnp.float32, 32),     # blocks of 160, output columns 32 at a time in a loop
+    (3, 320, 2, jnp.float32, 1024),   # the same in pieces of 128 + 32, unrolled
+    (33, 256, 2, jnp.bfloat16, 32),   # blocks of 128
 ])
-def test_decode_step_matches_float64(batch, width, blocks, slots, dtype, count):
-  inputs = random_inputs(batch * width + count, batch, width, blocks, slots, dtype, count)
-  y, h = decode.decode_step(*inputs, interpret=True)
-  want = reference_step(*inputs)
+def test_gates_update_matches_float64(batch, width, blocks, dtype, cols, monkeypatch):
+  monkeypatch.setattr(decode, "_COLS", cols)
+  jax.clear_caches()  # _COLS is read when tracing
+  inputs = random_inputs(batch * width + cols, batch, width, blocks, dtype)
+  y, h = decode.gates_update(*inputs, interpret=True)
+  want = reference_update(*inputs, dtype)
   assert y.dtype == dtype and h.dtype == jnp.float32 and h.shape == (batch, width)
-  # float32: the kernel rounds the Conv1D, the gate logits and the normalised input to the
-  # compute dtype as the model does, nothing else; bfloat16: those roundings.
+  # float32: to rounding; bfloat16: a logit or the normalised input one rounding apart
   tol = 1e-5 if dtype == jnp.float32 else 3e-2
   np.testing.assert_allclose(np.asarray(h), want, rtol=tol, atol=tol)
   np.testing.assert_array_equal(np.asarray(y), np.asarray(h.astype(dtype)))
-  # the pure-JAX reference (check_gpu_kernels.py's) in float64 agrees with this one
+  # the pure-JAX reference (check_gpu_kernels.py's) in float64 agrees with this one without
+  # the roundings
   with jax.enable_x64(True):
     wide = [np.asarray(a, np.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a
             for a in inputs]
-    np.testing.assert_allclose(np.asarray(decode.decode_step_reference(*wide)[1]), want,
-                               rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(decode.reference(*wide)[1]),
+                               reference_update(*wide, jnp.float32), rtol=1e-6, atol=1e-6)
 
 
-def test_decode_step_rejects_mismatched_shapes():
-  inputs = list(random_inputs(0, 4, 64, 2, 3, jnp.float32, 1))
-  inputs[4] = inputs[4][:3]  # a Conv1D of 3 taps for a ring of 3 slots
-  with pytest.raises(ValueError, match="conv_w"):
-    decode.decode_step(*inputs, interpret=True)
+def test_gates_update_rejects_mismatched_shapes():
+  inputs = list(random_inputs(0, 4, 64, 2, jnp.float32))
+  inputs[3] = inputs[3][:1]  # one decay-gate block for two input-gate blocks
+  with pytest.raises(ValueError, match="gate blocks"):
+    decode.gates_update(*inputs, interpret=True)
 
 
 @pytest.mark.parametrize("family", ["hawk", "griffin"])
 def test_sampling_with_the_decode_kernel_equals_the_xla_step(family, monkeypatch):
-  """Greedy decoding through ``model.decode_impl=pallas`` and ``mlp_impl=pallas`` (the step
-  kernel and ``gated_up``, interpreted) gives the XLA step's logits (float32: to rounding) and
-  tokens, resets and prompts of two lengths included; under ``gated_up.MIN_ROWS`` rows the MLP
-  keeps XLA's path."""
+  """Greedy decoding through ``model.decode_impl=pallas`` and ``mlp_impl=pallas`` (the
+  recurrent step's kernel and ``gated_up``, interpreted) gives the XLA step's logits (float32:
+  to rounding) and tokens, resets and prompts of two lengths included; under the kernels'
+  ``MIN_ROWS`` rows both keep XLA's path."""
   from pallas_kernels.mlp import gated_up  # pylint: disable=g-import-not-at-top
   calls, mlp_calls = [], []
-  kernel, mlp_kernel = decode.decode_step, gated_up.gated_up
-  monkeypatch.setattr(decode, "decode_step", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+  kernel, mlp_kernel = decode.gates_update, gated_up.gated_up
+  monkeypatch.setattr(decode, "gates_update", lambda *a, **k: calls.append(1) or kernel(*a, **k))
   monkeypatch.setattr(gated_up, "gated_up",
                       lambda *a, **k: mlp_calls.append(1) or mlp_kernel(*a, **k))
   results = {}
   for impl, min_rows in (("xla", 1), ("pallas", 2), ("pallas", 3)):  # 2 rows: kernel, kernel, XLA
     monkeypatch.setattr(gated_up, "MIN_ROWS", min_rows)
+    monkeypatch.setattr(decode, "MIN_ROWS", min_rows)
     jax.clear_caches()  # MIN_ROWS is read when tracing; the same config's trace is cached
     calls.clear()
     mlp_calls.clear()
@@ -101,24 +103,24 @@ def test_sampling_with_the_decode_kernel_equals_the_xla_step(family, monkeypatch
                           sampling.SamplingParams(max_new_tokens=6), return_logits=True)
     results[impl, min_rows] = out
     # traced once per recurrent block, and only for the kernel
-    assert len(calls) == (0 if impl == "xla" else cfg.resolved_block_types.count("recurrent"))
+    assert len(calls) == (cfg.resolved_block_types.count("recurrent")
+                          if (impl, min_rows) == ("pallas", 2) else 0)
     assert len(mlp_calls) == (cfg.num_layers if (impl, min_rows) == ("pallas", 2) else 0)
   for key in (("pallas", 2), ("pallas", 3)):
     np.testing.assert_allclose(results[key].logits, results["xla", 1].logits, rtol=2e-5,
                                atol=2e-5)
     np.testing.assert_array_equal(results[key].tokens, results["xla", 1].tokens)
-  assert model_lib.ModelConfig(decode_impl="auto").resolved_decode_impl == "xla"
   assert model_lib.ModelConfig(decode_impl="triton").errors() == [
       "model.decode_impl='triton' is not one of auto|xla|pallas"]
 
 
 @pytest.mark.parametrize("width,blocks", [(2560, 16), (2048, 8)])  # Hawk 1.3B's 160s; 256s
-def test_decode_step_lowers_for_a_gpu(width, blocks):
+def test_gates_update_lowers_for_a_gpu(width, blocks):
   """The kernel lowers to Triton for CUDA on this CPU machine (no GPU needed)."""
   import helpers  # pylint: disable=g-import-not-at-top
-  inputs = random_inputs(0, 64, width, blocks, 3, jnp.bfloat16, 5)
-  text = helpers.lower_for_cuda(decode.decode_step, *inputs)
-  assert text.count("@__gpu$xla.gpu.triton") == 1 and "pallas_recurrent_decode_step" in text
+  inputs = random_inputs(0, 64, width, blocks, jnp.bfloat16)
+  text = helpers.lower_for_cuda(decode.gates_update, *inputs)
+  assert text.count("@__gpu$xla.gpu.triton") == 1 and "pallas_recurrent_gates_update" in text
   if width == 2048:  # and the MLP's up-projection and gating at Hawk 1.3B's [2048, 2, 6144]
     from pallas_kernels.mlp import gated_up  # pylint: disable=g-import-not-at-top
     for dtype in (jnp.bfloat16, jnp.float32):
@@ -159,5 +161,6 @@ def test_decode_kernel_benchmark_script_prints_its_rows():
   out = helpers.run_script("bench/bench_decode_kernels.py", "--tiny").stdout
   rows = [line for line in out.splitlines() if line.startswith("| ") and "ms" not in line]
   assert [r.split(" | ")[1] for r in rows] == [
-      "XLA", "kernel, 32 rows a program, 4 warps", "XLA",
+      "XLA", "XLA", "kernel, 32 rows x 4 warps, 32 columns, 1 stages",
+      "XLA's Conv1D, then the kernel, 32 rows x 4 warps, 32 columns, 1 stages", "XLA",
       "kernel, tile 64x64, K 64, 4 warps, 2 stages"], out

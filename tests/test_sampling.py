@@ -337,8 +337,9 @@ def test_decode_profile_script_times_steps_from_filled_caches(tmp_path):
   # copies were 1.5 ms of MQA 1.3B's 18 ms step).
   entry = text[text.index("\nENTRY"):]
   assert "copy(%cache" not in entry, [l for l in entry.splitlines() if "copy(%cache" in l]
-  # Hawk's step through the one-kernel decoding step (interpreted here)
+  # Hawk's step through the recurrent block's decoding kernel (interpreted here), which takes
+  # decode.MIN_ROWS rows or more
   out = run_script("bench/profile_decode.py", "--tiny", "--family=hawk", "--vocab_size=64",
-                   "--batch=2", "--position=5", "--steps=3", "--repeats=1",
+                   "--batch=2048", "--position=5", "--steps=3", "--repeats=1",
                    "--decode_impl=pallas", f"--hlo={hlo}").stdout
-  assert out.count("ms per step") == 1 and "pallas_recurrent_decode_step" in hlo.read_text()
+  assert out.count("ms per step") == 1 and "pallas_recurrent_gates_update" in hlo.read_text()

@@ -371,16 +371,18 @@ def test_cudnn_attention_chooses_per_device_and_matches_one_device(monkeypatch):
 def test_recurrent_decode_kernel_per_device_matches_one_device(monkeypatch):
   """model.decode_impl=pallas and mlp_impl=pallas under a 4 x 2 mesh: the step kernels run on
   each device's rows (data=4) and gate blocks or MLP features (model=2), and greedy sampling
-  gives one device's tokens; where a device's rows are under gated_up.MIN_ROWS or its share of
-  the MLP features does not fit the kernel's tiles, the MLP takes XLA's path, same tokens."""
+  gives one device's tokens; where a device's rows are under the kernels' MIN_ROWS, both take
+  XLA's path on that device, and where its share of the MLP features does not fit the
+  kernel's tiles, the MLP does: same tokens."""
   from pallas_kernels.mlp import gated_up  # pylint: disable=g-import-not-at-top
   from pallas_kernels.rg_lru import decode  # pylint: disable=g-import-not-at-top
   from recurrentgemma_jax import sampling  # pylint: disable=g-import-not-at-top
   seen = set()
-  monkeypatch.setattr(gated_up, "MIN_ROWS", 2)  # every device's 2 rows take the kernel
+  monkeypatch.setattr(gated_up, "MIN_ROWS", 2)  # every device's 2 rows take the kernels
+  monkeypatch.setattr(decode, "MIN_ROWS", 2)
   jax.clear_caches()  # MIN_ROWS is read when tracing
-  kernel, mlp_kernel = decode.decode_step, gated_up.gated_up
-  monkeypatch.setattr(decode, "decode_step",
+  kernel, mlp_kernel = decode.gates_update, gated_up.gated_up
+  monkeypatch.setattr(decode, "gates_update",
                       lambda x, *a, **k: seen.add(tuple(x.shape)) or kernel(x, *a, **k))
   monkeypatch.setattr(gated_up, "gated_up", lambda x, w, b, **k: seen.add(
       ("mlp", *x.shape, w.shape[-1])) or mlp_kernel(x, w, b, **k))
@@ -400,12 +402,16 @@ def test_recurrent_decode_kernel_per_device_matches_one_device(monkeypatch):
   assert seen == {(2, 32), ("mlp", 2, 64, 64)}, seen
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_allclose(got.logits, want.logits, atol=1e-5, rtol=1e-5)
-  # 2 rows a device under MIN_ROWS 4; 32 features a device (model=4), not a multiple of 64
-  for min_rows, shape in ((4, (4, 2)), (2, (2, 4))):
+  # 2 rows a device under MIN_ROWS 4 (8 in all: both kernels' paths are entered): no device
+  # takes a kernel. model=4: the 2 gate blocks do not split over it (each device takes all 64
+  # channels of its 4 rows), and 32 MLP features a device, not a multiple of 64, take XLA's.
+  for min_rows, shape, kernels in ((4, (4, 2), set()), (2, (2, 4), {(4, 64)})):
     monkeypatch.setattr(gated_up, "MIN_ROWS", min_rows)
+    monkeypatch.setattr(decode, "MIN_ROWS", min_rows)
     jax.clear_caches()
     seen.clear()
     with jax.set_mesh(partitioning.make_mesh(*shape)):
       got = sampling.sample(model, prompts, params, return_logits=True)
-    assert seen and not [s for s in seen if s[0] == "mlp"], (shape, seen)
+    assert seen == kernels, (shape, seen)
     np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.logits, want.logits, atol=1e-5, rtol=1e-5)

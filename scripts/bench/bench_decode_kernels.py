@@ -1,9 +1,9 @@
-"""The decoding-step kernels (``model.decode_impl=pallas``: the recurrent block's step;
-``model.mlp_impl``: ``gated_up``) against XLA's step, alone, at one
-model's shapes, with their floors and tile variants.
+"""The decoding-step kernels (``model.decode_impl``: the recurrent block's gates and RG-LRU
+update; ``model.mlp_impl``: ``gated_up``) against XLA's step, alone, at one model's shapes,
+with their floors and tile variants.
 
   python scripts/bench/bench_decode_kernels.py [--batch 2048] [--width 2048]
-      [--lru_width 2560] [--gate_blocks 16] [--mlp 6144] [--step_tiles 64x8,32x4,64x4,128x8]
+      [--lru_width 2560] [--gate_blocks 16] [--mlp 6144] [--step_tiles 64x4x32x1,...]
       [--mlp_tiles 128x128x64x8x3,...] [--steps 50] [--iters 5] [--tiny]
 
 Each row times ``--steps`` steps in one ``fori_loop`` (the median of ``--iters`` loops), the
@@ -11,12 +11,15 @@ step's output feeding the next step's input: device time per step, as inside the
 
 Rows (defaults: Hawk 1.3B's recurrent block at 2048 rows, bfloat16):
 
-- the recurrent block's Conv1D, gates and RG-LRU update for one token: XLA's path
-  (``RecurrentBlock.conv_1d`` then ``.rg_lru``, as ``decode_impl=xla``) against
-  ``RecurrentBlock.decode_step`` (``pallas_kernels.rg_lru.decode`` plus the ring's in-place
-  write) with each ``--step_tiles`` entry (rows a program x warps). Bytes floor: ``x``, the
-  ring's slots, the float32 state read; ``y``, the state and the ring slot written (20 bytes a
-  channel a row) over the copy ceiling measured in the run.
+- the recurrent block's gates and RG-LRU update for one token, from the Conv1D's output:
+  XLA's path (``RecurrentBlock.rg_lru``: the gate kernel, then XLA's passes) against
+  ``pallas_kernels.rg_lru.decode.gates_update`` with each ``--step_tiles`` entry (rows a
+  program x warps x output columns a loop step, 0 for the block's pieces unrolled x Triton
+  stages). Bytes floor: ``x`` and the float32 state read, ``y`` and the state written (12
+  bytes a channel a row) over the copy ceiling measured in the run.
+- the same with the Conv1D (XLA's, which also writes the ring in place) in front: XLA's
+  path against ``RecurrentBlock.decode_step`` (``decode_impl=pallas``) with the same tiles.
+  Bytes floor: also the ring's slots read and one written (20 bytes a channel a row).
 - the MLP's up-projection and GeLU gating: XLA's (``MLPBlock``'s decoding branch, without the
   down-projection) against ``pallas_kernels.mlp.gated_up`` with each ``--mlp_tiles`` entry
   (rows x cols x K step x warps x stages). FLOP floor: ``4 B D M`` over the device's peak.
@@ -50,7 +53,9 @@ def main():
   parser.add_argument("--lru_width", type=int, default=2560)
   parser.add_argument("--gate_blocks", type=int, default=16)
   parser.add_argument("--mlp", type=int, default=6144)
-  parser.add_argument("--step_tiles", default="64x8,32x4,64x4,128x8")
+  parser.add_argument("--step_tiles", default="64x4x32x1,128x8x32x2,64x4x32x3,64x8x0x1",
+                      help="rows x warps x output columns a loop step (0: the block's pieces, "
+                      "unrolled) x stages")
   parser.add_argument("--mlp_tiles",
                       default="128x128x64x8x3,128x128x64x8x4,128x64x64x8x3,64x128x64x4x4")
   parser.add_argument("--iters", type=int, default=5, help="timed loops (median)")
@@ -59,7 +64,7 @@ def main():
   args = parser.parse_args()
   if args.tiny:
     args.batch, args.width, args.lru_width, args.gate_blocks, args.mlp = 5, 64, 64, 2, 128
-    args.step_tiles, args.mlp_tiles, args.iters, args.steps = "32x4", "64x64x64x4x2", 1, 2
+    args.step_tiles, args.mlp_tiles, args.iters, args.steps = "32x4x32x1", "64x64x64x4x2", 1, 2
   b, d, e, m = args.batch, args.width, args.lru_width, args.mlp
   dt = jnp.bfloat16
   rngs = nnx.Rngs(0)
@@ -80,6 +85,16 @@ def main():
 
   def kernel_step(block, x, seg, cache):
     return block.decode_step(x, seg, cache)
+
+  def xla_update(block, x, seg, h):  # x: the Conv1D's output
+    return block.rg_lru(x, seg, h)
+
+  def kernel_update(block, x, seg, h):
+    lru = block.rg_lru
+    y, h = decode.gates_update(x[:, 0], seg[:, 0], lru.input_gate.w[...], lru.a_gate.w[...],
+                               lru.input_gate.b[...], lru.a_gate.b[...], lru.a_param[...], h,
+                               interpret=interpret)
+    return y[:, None], h
 
   def mlp_up(mlp, x):  # the decoding branch without the down-projection
     return gated_up.reference(x[:, 0], mlp.ffw_up.w[...], mlp.ffw_up.b[...].reshape(2, -1))
@@ -122,18 +137,31 @@ def main():
   row = lambda work, impl, ms, floor: print(
       f"| {work} | {impl} | {ms:.4f} | {floor:.4f} | {floor / ms:.0%} |", flush=True)
 
+  def update_body(update):
+    def body(block, carry):
+      x, h = carry
+      return update(block, x, seg, h)
+    return body
+
+  update_floor = 12 * b * e / ceiling * 1e3
+  row("gates + RG-LRU update", "XLA",
+      per_step(update_body(xla_update), block, (x, cache.rg_lru_state)), update_floor)
   row("Conv1D + gates + RG-LRU update", "XLA",
       per_step(recurrent_body(xla_step), block, (x, cache)), step_floor)
   for tile in args.step_tiles.split(","):
-    rows, warps = map(int, tile.split("x"))
-    decode._ROWS, decode._WARPS = rows, warps  # pylint: disable=protected-access
+    rows, warps, cols, stages = map(int, tile.split("x"))
+    # pylint: disable=protected-access
+    # (columns 0: a step wider than any block, which takes the block's pieces unrolled)
+    decode._ROWS, decode._WARPS, decode._COLS, decode._STAGES = rows, warps, cols or e, stages
     jax.clear_caches()
+    name = f"kernel, {rows} rows x {warps} warps, {cols or 'pieces of'} columns, {stages} stages"
     try:
-      ms = per_step(recurrent_body(kernel_step), block, (x, cache))
-      row("Conv1D + gates + RG-LRU update", f"kernel, {rows} rows a program, {warps} warps", ms,
-          step_floor)
+      row("gates + RG-LRU update", name,
+          per_step(update_body(kernel_update), block, (x, cache.rg_lru_state)), update_floor)
+      row("Conv1D + gates + RG-LRU update", f"XLA's Conv1D, then the {name}",
+          per_step(recurrent_body(kernel_step), block, (x, cache)), step_floor)
     except Exception as err:  # pylint: disable=broad-except  (a tile Triton rejects)
-      print(f"| Conv1D + gates + RG-LRU update | kernel, tile {tile} | error: "
+      print(f"| gates + RG-LRU update | kernel, tile {tile} | error: "
             f"{str(err).splitlines()[0][:150]} | | |", flush=True)
 
   mlp_carry = (xm, jnp.zeros((b, m), dt))

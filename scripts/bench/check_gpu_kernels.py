@@ -92,10 +92,9 @@ def cases(tiny: bool):
          [("x", (cb, ct, cd)), ("param", (4, cd)), ("param", (cd,)), ("documents", (cb, ct))])
   # Hawk 1.3B's decoding step at 2048 rows: 16 gate blocks of 160 over 2560 channels
   db, dw, dh = (37, 96, 2) if tiny else (2048, 2560, 16)
-  step = lambda *a: decode.decode_step(*a, interpret=interpret)
-  yield ("recurrent_decode_step", step, decode.decode_step_reference,
-         [("x", (db, dw)), ("x", (3, db, dw)), ("count", ()), ("positions", (db,)),
-          ("param", (4, dw)), ("param", (dw,))] + [("gate_weight", (dh, dw // dh, dw // dh))] * 2
+  step = lambda *a: decode.gates_update(*a, interpret=interpret)
+  yield ("recurrent_decode_step", step, decode.reference,
+         [("x", (db, dw)), ("positions", (db,))] + [("gate_weight", (dh, dw // dh, dw // dh))] * 2
          + [("param", (dh, dw // dh))] * 2 + [("param", (dw,)), ("state", (db, dw))])
   gn, gd, gm = (70, 64, 128) if tiny else (2048, 2048, 6144)  # Hawk 1.3B's MLP, 2048 rows
   up = lambda x, w, b: gated_up.gated_up(x, w, b, interpret=interpret)
@@ -114,8 +113,6 @@ def make_inputs(specs, dtype, key):
       out.append(jax.random.bernoulli(k, 0.002, shape))
     elif kind == "documents":  # document numbers of packed rows, a new one every ~50 tokens
       out.append(jnp.cumsum(jax.random.bernoulli(k, 0.02, shape), axis=-1, dtype=jnp.int32))
-    elif kind == "count":  # tokens a decoding cache has taken
-      out.append(jnp.int32(7))
     elif kind == "positions":  # positions in the document, the first few included
       out.append(jax.random.randint(k, shape, 0, 6, jnp.int32))
     elif kind == "state":
