@@ -220,8 +220,9 @@ class ModelConfig:
     RG-LRU update) as one Triton kernel, ``pallas_kernels.rg_lru.decode`` (interpreted on a
     CPU; a TPU takes XLA's), where XLA runs the gate kernel and then passes of its own, from
     ``decode.MIN_ROWS`` (2048) rows a device. ``auto``: on GPUs (on an H100 at Hawk 1.3B's
-    2048 rows: the decoding step 14.25-14.29 ms against 14.54-14.57, Griffin's 17.39 against
-    17.66; slower at 512 rows and fewer; docs/bench/decode_log.md, session 30)."""
+    2048 rows: the decoding step 14.31-14.33 ms against 14.67; Griffin's, with the kernel at 3
+    pipeline stages, 17.39 against 17.66; slower at 512 rows and fewer;
+    docs/bench/decode_log.md, session 30)."""
     return _kernel_on_gpus(self.decode_impl)
 
   @property

@@ -218,13 +218,20 @@ class RecurrentBlock(nnx.Module):
     ring)``, as the XLA path."""
     lru = self.rg_lru
     x, ring = self.conv_1d(x, segment_pos, cache.conv1d_state, cache.tokens)
+    interpret = dispatch.target_platform() != "gpu"
 
     def local(x, seg, w_x, w_a, b_x, b_a, a_param, h0):
       if decode_kernel.worthwhile(x.shape[0], x.shape[1], w_x.shape[0]):
         return decode_kernel.gates_update(x, seg, w_x, w_a, b_x, b_a, a_param, h0,
-                                          interpret=dispatch.target_platform() != "gpu")
-      gate = lambda w, b: layers.block_diagonal(x, w, b, lru.dtype)[:, None]
-      normalized, a = gated_inputs(x[:, None], gate(w_x, b_x), gate(w_a, b_a), a_param,
+                                          interpret=interpret)
+      # XLA's step on this device's rows, its gates as RGLRU.gates makes them
+      if lru.gate_impl == "pallas" and gates.supported(*w_x.shape[1:]):
+        _, (gate_x, gate_a) = gates.block_diagonal_with_skip(x, (w_x, w_a), (b_x, b_a),
+                                                              interpret=interpret)
+      else:
+        gate_x, gate_a = (layers.block_diagonal(x, w, b, lru.dtype) for w, b in
+                          ((w_x, b_x), (w_a, b_a)))
+      normalized, a = gated_inputs(x[:, None], gate_x[:, None], gate_a[:, None], a_param,
                                    seg[:, None] == 0)
       h = a[:, 0] * h0 + normalized[:, 0].astype(a.dtype)
       return h.astype(x.dtype), h

@@ -68,6 +68,7 @@ def test_gates_update_matches_float64(batch, width, blocks, dtype, cols, monkeyp
             for a in inputs]
     np.testing.assert_allclose(np.asarray(decode.reference(*wide)[1]),
                                reference_update(*wide, jnp.float32), rtol=1e-6, atol=1e-6)
+  jax.clear_caches()  # no trace made with this _COLS outlives the test
 
 
 def test_gates_update_rejects_mismatched_shapes():
@@ -110,6 +111,7 @@ def test_sampling_with_the_decode_kernel_equals_the_xla_step(family, monkeypatch
     np.testing.assert_allclose(results[key].logits, results["xla", 1].logits, rtol=2e-5,
                                atol=2e-5)
     np.testing.assert_array_equal(results[key].tokens, results["xla", 1].tokens)
+  assert model_lib.ModelConfig(decode_impl="auto").resolved_decode_impl == "xla"  # on a CPU
   assert model_lib.ModelConfig(decode_impl="triton").errors() == [
       "model.decode_impl='triton' is not one of auto|xla|pallas"]
 

@@ -368,7 +368,8 @@ def test_cudnn_attention_chooses_per_device_and_matches_one_device(monkeypatch):
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_recurrent_decode_kernel_per_device_matches_one_device(monkeypatch):
+@pytest.mark.parametrize("gate_impl", ["xla", "pallas"])  # XLA's gates on a "no": either form
+def test_recurrent_decode_kernel_per_device_matches_one_device(gate_impl, monkeypatch):
   """model.decode_impl=pallas and mlp_impl=pallas under a 4 x 2 mesh: the step kernels run on
   each device's rows (data=4) and gate blocks or MLP features (model=2), and greedy sampling
   gives one device's tokens; where a device's rows are under the kernels' MIN_ROWS, both take
@@ -389,7 +390,7 @@ def test_recurrent_decode_kernel_per_device_matches_one_device(monkeypatch):
   cfg = model_lib.ModelConfig(family="hawk", vocab_size=64, width=64, lru_width=64,
                               num_layers=2, num_heads=2, mlp_expanded_width=128,
                               dtype="float32", decode_impl="pallas",
-                              mlp_impl="pallas")
+                              mlp_impl="pallas", gate_impl=gate_impl)
   model = model_lib.init_model(cfg, 0)
   prompts = [list(np.random.default_rng(r).integers(1, 64, 2 + r % 3)) for r in range(8)]
   params = sampling.SamplingParams(max_new_tokens=4)
@@ -405,13 +406,19 @@ def test_recurrent_decode_kernel_per_device_matches_one_device(monkeypatch):
   # 2 rows a device under MIN_ROWS 4 (8 in all: both kernels' paths are entered): no device
   # takes a kernel. model=4: the 2 gate blocks do not split over it (each device takes all 64
   # channels of its 4 rows), and 32 MLP features a device, not a multiple of 64, take XLA's.
+  checks, worthwhile = set(), decode.worthwhile
+  monkeypatch.setattr(decode, "worthwhile", lambda rows, *a: checks.add(
+      (rows, worthwhile(rows, *a))) or worthwhile(rows, *a))
   for min_rows, shape, kernels in ((4, (4, 2), set()), (2, (2, 4), {(4, 64)})):
     monkeypatch.setattr(gated_up, "MIN_ROWS", min_rows)
     monkeypatch.setattr(decode, "MIN_ROWS", min_rows)
     jax.clear_caches()
     seen.clear()
+    checks.clear()
     with jax.set_mesh(partitioning.make_mesh(*shape)):
       got = sampling.sample(model, prompts, params, return_logits=True)
     assert seen == kernels, (shape, seen)
+    # the whole batch asked first, then each device's rows (XLA's path on a "no")
+    assert checks == {(8, True), (8 // shape[0], bool(kernels))}, (shape, checks)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_allclose(got.logits, want.logits, atol=1e-5, rtol=1e-5)

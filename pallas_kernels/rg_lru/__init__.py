@@ -18,7 +18,7 @@ sequential driver, which runs ``tpu`` (Mosaic TPU; its interpreter on a CPU) or 
 (Triton); ``gpu_mosaic`` runs the same step functions forward through Mosaic GPU on Hopper
 (the linear scan's forward and the fused layer's forward, by default; ``fused.MOSAIC_FORWARD``);
 ``reference`` the pure-JAX references; ``decode`` a recurrent block's one-token decoding step
-(Conv1D, gates and update in one Triton kernel, ``model.decode_impl``). Which runs where:
+after XLA's Conv1D (both gates and the update in one Triton kernel, ``model.decode_impl``). Which runs where:
 ``pallas_kernels.dispatch``.
 """
 

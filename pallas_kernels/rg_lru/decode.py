@@ -15,11 +15,12 @@ Why: XLA's step runs the gate kernel (``pallas_kernels.gates``, which writes bot
 logits), then the gate arithmetic and the update as passes of their own; this kernel reads
 ``x`` and the state once and writes ``y`` and the state once (12 bytes a channel a row).
 The Conv1D stays XLA's (one pass at its bytes floor, which also writes the token into the
-ring in place). On an H100 at Hawk 1.3B's shapes and 2048 rows: 0.062 ms a block against XLA's
-0.073, and Hawk's decoding step 14.25-14.29 ms against 14.54-14.57 (docs/bench/decode_log.md,
-session 30). An earlier kernel that also did the Conv1D (session 28) held the Conv1D's pieces,
-both gates' accumulators and the state at once: 249 registers a thread, one program an SM,
-0.16 ms a block.
+ring in place). On an H100 at Hawk 1.3B's shapes and 2048 rows: 0.062 ms a block against 0.073
+for XLA's passes with XLA's batched-matmul gates (``gate_impl=xla``), and Hawk's decoding step
+14.31-14.33 ms against 14.67 with the default XLA path (Triton gate kernel, then XLA's passes;
+docs/bench/decode_log.md, session 30). An earlier kernel that also did the Conv1D (written in
+session 28, timed in session 29) held the Conv1D's pieces, both gates' accumulators and the
+state at once: 249 registers a thread, one program an SM, 0.16 ms a block.
 
 Each program takes ``_ROWS`` rows and one gate block (grid ``(B / _ROWS, H)``): it loads the
 block's ``x`` tile once, then walks the block's output columns ``_COLS`` at a time in a loop
@@ -49,15 +50,15 @@ from pallas_kernels.rg_lru.reference import RG_LRU_C
 # Rows a program, warps, output columns a loop step and Triton's pipeline stages. On an H100 at
 # Hawk 1.3B's shapes (bench_decode_kernels.py, session 30), ms a block: 64 x 4 warps x 32
 # columns, 1 stage 0.0618 (3 stages 0.0649, 2 0.0706); 128 x 8, 1-2 stages 0.0612-0.0616; 64 x
-# 8 0.0878; 32 x 4 0.1025; 64 x 2 0.0691; the block's pieces unrolled 0.0923; XLA 0.0733.
+# 8 0.0878; 32 x 4 0.1025; 64 x 2 0.0691; the block's pieces unrolled 0.0923; XLA's passes with
+# its batched-matmul gates 0.0733.
 _ROWS = 64
 _WARPS = 4
 _COLS = 32
 _STAGES = 1
 # Fewer rows than this (a device's share) take XLA's step, which is faster there: on an H100,
 # Hawk 1.3B's decoding step at 16 / 128 / 512 rows 2.40 / 3.26 / 5.22 ms with the kernel
-# against 2.30 / 2.99 / 5.03 with XLA's, at 2048 rows 14.25-14.29 against 14.54-14.57
-# (session 30). A grid of B / 64 x H programs leaves most SMs idle under 1024 rows.
+# against 2.30 / 2.99 / 5.03 with XLA's, at 2048 rows 14.31-14.33 against 14.67 (session 30). A grid of B / 64 x H programs leaves most SMs idle under 1024 rows.
 MIN_ROWS = 2048
 
 

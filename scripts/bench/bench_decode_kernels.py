@@ -12,7 +12,8 @@ step's output feeding the next step's input: device time per step, as inside the
 Rows (defaults: Hawk 1.3B's recurrent block at 2048 rows, bfloat16):
 
 - the recurrent block's gates and RG-LRU update for one token, from the Conv1D's output:
-  XLA's path (``RecurrentBlock.rg_lru``: the gate kernel, then XLA's passes) against
+  XLA's path (``RecurrentBlock.rg_lru``: the Triton gate kernel, as ``gate_impl=auto`` on a
+  GPU, then XLA's passes) against
   ``pallas_kernels.rg_lru.decode.gates_update`` with each ``--step_tiles`` entry (rows a
   program x warps x output columns a loop step, 0 for the block's pieces unrolled x Triton
   stages). Bytes floor: ``x`` and the float32 state read, ``y`` and the state written (12
@@ -68,7 +69,11 @@ def main():
   b, d, e, m = args.batch, args.width, args.lru_width, args.mlp
   dt = jnp.bfloat16
   rngs = nnx.Rngs(0)
-  block = recurrent.RecurrentBlock(d, e, args.gate_blocks, rngs=rngs, param_dtype=dt, dtype=dt)
+  # XLA's path as the model takes it on a GPU: the gates through the Triton gate kernel
+  # (model.gate_impl auto); until session 30 this script's XLA rows used XLA's batched matmul
+  block = recurrent.RecurrentBlock(d, e, args.gate_blocks, rngs=rngs, param_dtype=dt, dtype=dt,
+                                   gate_impl="pallas")
+  decode.MIN_ROWS = 0  # the kernel rows take the kernel at any batch
   mlp = model_lib.MLPBlock(d, m, rngs=rngs, final_init_scale=1.0, param_dtype=dt, dtype=dt)
   keys = jax.random.split(jax.random.PRNGKey(1), 4)
   x = jax.random.normal(keys[0], (b, 1, e), dt)
