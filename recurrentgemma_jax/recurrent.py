@@ -91,6 +91,14 @@ def gated_inputs(x, gate_x_logits, gate_a_logits, a_param, reset):
   return normalized_x, jnp.where(reset[..., None], 0.0, a)
 
 
+def one_token_update(x, gate_x_logits, gate_a_logits, a_param, reset, h0):
+  """The RG-LRU for one token (``x`` and the logits ``[B, 1, D]``, ``reset`` ``[B, 1]``):
+  ``(y [B, 1, D], h [B, D])``, ``h = a * h0 + sqrt(1 - a^2) * i * x``."""
+  normalized_x, a = gated_inputs(x, gate_x_logits, gate_a_logits, a_param, reset)
+  h = a[:, 0] * h0.astype(a.dtype) + normalized_x[:, 0].astype(a.dtype)
+  return h[:, None].astype(x.dtype), h
+
+
 class RGLRU(nnx.Module):
   """Real-Gated Linear Recurrent Unit over ``width`` channels."""
 
@@ -109,27 +117,33 @@ class RGLRU(nnx.Module):
     self.input_gate = layers.BlockDiagonalLinear(width, width, num_blocks, **kw)
     self.a_gate = layers.BlockDiagonalLinear(width, width, num_blocks, **kw)
 
+  def _gate_kernel(self) -> bool:
+    """Whether the gates run through ``pallas_kernels.gates``."""
+    return (self.gate_impl == "pallas" and dispatch.target_platform() != "tpu"
+            and gates.supported(*self.input_gate.w.value.shape[1:]))
+
+  def local_gates(self, x, w_x, w_a, b_x, b_a):
+    """``gates`` on one device's shard of ``x`` and of the weights (no mesh handling)."""
+    if self._gate_kernel():
+      x, (gate_x, gate_a) = gates.block_diagonal_with_skip(
+          x, (w_x, w_a), (b_x, b_a), interpret=dispatch.target_platform() != "gpu")
+      return x, gate_x, gate_a
+    return (x, layers.block_diagonal(x, w_x, b_x, self.dtype),
+            layers.block_diagonal(x, w_a, b_a, self.dtype))
+
   def gates(self, x: Float[Array, "b t d"]):
     """``(x, input-gate logits, a-gate logits)``. With the kernel, both gates come from one
     read of ``x`` and ``x`` is passed through the same call, so the backward sums the three
     gradients of ``x`` in the kernel that writes it (``pallas_kernels.gates``)."""
-    platform = dispatch.target_platform()
-    w = self.input_gate.w.value
-    if self.gate_impl != "pallas" or platform == "tpu" or not gates.supported(*w.shape[1:]):
-      return x, self.input_gate(x), self.a_gate(x)
+    params = (self.input_gate.w.value, self.a_gate.w.value, self.input_gate.b.value,
+              self.a_gate.b.value)
+    if not self._gate_kernel():  # XLA partitions its einsum itself
+      return self.local_gates(x, *params)
     # Per device under a mesh: a device's channels are whole blocks (``blocks``).
     rows = ("batch",) + (None,) * (x.ndim - 2) + ("blocks",)
     weight, bias = ("blocks", None, None), ("blocks", None)
-
-    def both(x, w_x, w_a, b_x, b_a):
-      x, (gate_x, gate_a) = gates.block_diagonal_with_skip(
-          x, (w_x, w_a), (b_x, b_a), interpret=platform != "gpu")
-      return x, gate_x, gate_a
-
-    x, gate_x, gate_a = partitioning.shard_local(
-        both, (rows, weight, weight, bias, bias), (rows, rows, rows))(
-            x, w, self.a_gate.w.value, self.input_gate.b.value, self.a_gate.b.value)
-    return x, gate_x, gate_a
+    return partitioning.shard_local(
+        self.local_gates, (rows, weight, weight, bias, bias), (rows, rows, rows))(x, *params)
 
   def __call__(
       self,
@@ -144,9 +158,7 @@ class RGLRU(nnx.Module):
     if h0 is not None and x.shape[1] == 1:
       # One decoding step: elementwise, fused by XLA with the gates and written over the
       # cached state in place (the scan kernel costs a launch and a copy of the state).
-      normalized_x, a = gated_inputs(x, gate_x_logits, gate_a_logits, self.a_param.value, reset)
-      h = a[:, 0] * h0.astype(a.dtype) + normalized_x[:, 0].astype(a.dtype)
-      return h[:, None].astype(x.dtype), h
+      return one_token_update(x, gate_x_logits, gate_a_logits, self.a_param.value, reset, h0)
     if self.fused:
       import pallas_kernels  # pylint: disable=g-import-not-at-top  (optional kernels)
       rows, state = scan_lib.ROW_AXES, scan_lib.STATE_AXES
@@ -218,23 +230,15 @@ class RecurrentBlock(nnx.Module):
     ring)``, as the XLA path."""
     lru = self.rg_lru
     x, ring = self.conv_1d(x, segment_pos, cache.conv1d_state, cache.tokens)
-    interpret = dispatch.target_platform() != "gpu"
 
     def local(x, seg, w_x, w_a, b_x, b_a, a_param, h0):
       if decode_kernel.worthwhile(x.shape[0], x.shape[1], w_x.shape[0]):
         return decode_kernel.gates_update(x, seg, w_x, w_a, b_x, b_a, a_param, h0,
-                                          interpret=interpret)
-      # XLA's step on this device's rows, its gates as RGLRU.gates makes them
-      if lru.gate_impl == "pallas" and gates.supported(*w_x.shape[1:]):
-        _, (gate_x, gate_a) = gates.block_diagonal_with_skip(x, (w_x, w_a), (b_x, b_a),
-                                                              interpret=interpret)
-      else:
-        gate_x, gate_a = (layers.block_diagonal(x, w, b, lru.dtype) for w, b in
-                          ((w_x, b_x), (w_a, b_a)))
-      normalized, a = gated_inputs(x[:, None], gate_x[:, None], gate_a[:, None], a_param,
-                                   seg[:, None] == 0)
-      h = a[:, 0] * h0 + normalized[:, 0].astype(a.dtype)
-      return h.astype(x.dtype), h
+                                          interpret=dispatch.target_platform() != "gpu")
+      # XLA's step on this device's rows, as RGLRU takes one token
+      x, gate_x, gate_a = lru.local_gates(x[:, None], w_x, w_a, b_x, b_a)
+      y, h = one_token_update(x, gate_x, gate_a, a_param, seg[:, None] == 0, h0)
+      return y[:, 0], h
 
     rows, lru_axes = ("batch", "lru"), ("lru",)
     # The gate blocks split over the mesh as the channels do: named "lru" too, so that the

@@ -54,11 +54,12 @@ from pallas_kernels.rg_lru.reference import RG_LRU_C
 # its batched-matmul gates 0.0733.
 _ROWS = 64
 _WARPS = 4
-_COLS = 32
+_COLS = 32  # 0: the block's pieces, unrolled (as for a block that is no multiple of it)
 _STAGES = 1
 # Fewer rows than this (a device's share) take XLA's step, which is faster there: on an H100,
 # Hawk 1.3B's decoding step at 16 / 128 / 512 rows 2.40 / 3.26 / 5.22 ms with the kernel
-# against 2.30 / 2.99 / 5.03 with XLA's, at 2048 rows 14.31-14.33 against 14.67 (session 30). A grid of B / 64 x H programs leaves most SMs idle under 1024 rows.
+# against 2.30 / 2.99 / 5.03 with XLA's, at 2048 rows 14.31-14.33 against 14.67 (session 30).
+# A grid of B / 64 x H programs leaves most SMs idle under 1024 rows.
 MIN_ROWS = 2048
 
 
@@ -94,7 +95,7 @@ def _kernel(seg_ref, x_ref, wx_ref, wa_ref, bx_ref, ba_ref, la_ref, h0_ref, y_re
     h_ref[:, pl.ds(c, m)] = h
     y_ref[:, pl.ds(c, m)] = h.astype(dtype)
 
-  if block % cols:
+  if not cols or block % cols:
     for c, m in bd.pieces(block):
       piece(c, m)
   else:

@@ -156,8 +156,7 @@ def main():
   for tile in args.step_tiles.split(","):
     rows, warps, cols, stages = map(int, tile.split("x"))
     # pylint: disable=protected-access
-    # (columns 0: a step wider than any block, which takes the block's pieces unrolled)
-    decode._ROWS, decode._WARPS, decode._COLS, decode._STAGES = rows, warps, cols or e, stages
+    decode._ROWS, decode._WARPS, decode._COLS, decode._STAGES = rows, warps, cols, stages
     jax.clear_caches()
     name = f"kernel, {rows} rows x {warps} warps, {cols or 'pieces of'} columns, {stages} stages"
     try:
