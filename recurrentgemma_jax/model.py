@@ -20,6 +20,7 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels import dispatch
 from pallas_kernels import mlp as mlp_kernels
 from pallas_kernels.mlp import gated_up
+from pallas_kernels.sampling import greedy
 from recurrentgemma_jax import attention
 from recurrentgemma_jax import layers
 from recurrentgemma_jax import recurrent
@@ -120,7 +121,8 @@ class ModelConfig:
                                         # in a decoding step, with the up-projection)
   conv1d_impl: str = "auto"             # auto | xla | pallas: the recurrent block's Conv1D backward
   norm_impl: str = "auto"               # auto | xla | pallas: the blocks' RMSNorm backward
-  decode_impl: str = "auto"             # auto | xla | pallas: a recurrent block's decoding step
+  decode_impl: str = "auto"             # auto | xla | pallas: the decoding step's kernels (a
+                                        # recurrent block's gates and update; the greedy token)
   remat: str = "none"
   scan_layers: str = "auto"  # auto | true | false: layers as one lax.scan (auto: with remat)
 
@@ -222,7 +224,9 @@ class ModelConfig:
     ``decode.MIN_ROWS`` (2048) rows a device. ``auto``: on GPUs (on an H100 at Hawk 1.3B's
     2048 rows: the decoding step 14.31-14.33 ms against 14.67; Griffin's, with the kernel at 3
     pipeline stages, 17.39 against 17.66; slower at 512 rows and fewer;
-    docs/bench/decode_log.md, session 30)."""
+    docs/bench/decode_log.md, session 30). Also greedy decoding's output layer and argmax as one
+    kernel that never writes the logits (``Model.greedy_extend``,
+    ``pallas_kernels.sampling.greedy``), from ``greedy.MIN_ROWS`` (128) rows a device."""
     return _kernel_on_gpus(self.decode_impl)
 
   @property
@@ -508,12 +512,48 @@ class Model(nnx.Module):
     Layer by layer, also with ``scan_layers`` (each layer a static slice of its stack): a scan
     over stacked caches copies each layer's cache in and out at every step, which made
     decoding 1.3B models on an H100 1.5x (Griffin) to 2.5x (MQA) slower."""
+    x, cache = self._extend(tokens, segment_pos, cache)
+    return self._logits(x), cache
+
+  def greedy_extend(
+      self,
+      tokens: Int[Array, "b t"],
+      segment_pos: Int[Array, "b t"],
+      cache: tuple,
+  ) -> tuple[Int[Array, "b"], tuple]:
+    """``extend`` for greedy decoding: the argmax of the last position's logits (int32 ``[B]``)
+    and the updated cache, without the logits. With ``decode_impl=pallas`` (``auto``: on GPUs),
+    from ``greedy.MIN_ROWS`` rows a device, the output layer and the argmax run as one kernel
+    that never writes the ``[B, V]`` logits (``pallas_kernels.sampling.greedy``: the same token
+    as the argmax of the logits, bar near-ties within a bfloat16 rounding)."""
+    x, cache = self._extend(tokens, segment_pos, cache)
+    x = x[:, -1]
+    table = self.embedder.input_embedding.value
+    if not (self.cfg.resolved_decode_impl == "pallas" and dispatch.target_platform() != "tpu"
+            and greedy.worthwhile(x.shape[0], *table.shape)):
+      return jnp.argmax(self._logits(x), axis=-1).astype(jnp.int32), cache
+    interpret = dispatch.target_platform() != "gpu"
+
+    def local(x, table):  # per device under a mesh: rows over data, the vocabulary over model
+      if greedy.worthwhile(x.shape[0], *table.shape):
+        best, column, _ = greedy.partials(x, table, interpret=interpret)
+        return best[:x.shape[0]], column[:x.shape[0]]
+      return greedy.partials_reference(x, table)
+
+    x = self.final_norm(x).astype(self.embedder.dtype)
+    best, column = partitioning.shard_local(
+        local, (("batch", None), ("vocab", None)), (("batch", "vocab"), ("batch", "vocab")))(
+            x, table.astype(x.dtype))
+    return greedy.pick(best, column, table.shape[0] // best.shape[1]), cache
+
+  def _extend(self, tokens, segment_pos, cache):
+    """The last block's output for ``tokens`` after ``cache``, and the updated cache."""
     x = self.embedder.encode(tokens)
     new_cache = []
     for block, block_cache in zip(self._layers(), cache):
       x, block_cache = block(x, segment_pos, block_cache)
       new_cache.append(block_cache)
-    return self._logits(x), tuple(new_cache)
+    return x, tuple(new_cache)
 
   def init_cache(self, batch_size: int, max_len: int) -> tuple:
     """Empty decoding caches, one per block: constant size for recurrent and GLA blocks, the

@@ -130,7 +130,8 @@ def decode(model, cache, logits, positions, params: SamplingParams, *, pad_id: i
   the loop, 27 GB for MQA 1.3B at 1024 rows). The loop carries the
   chosen token, not the ``[B, V]`` logits (float32: at 2048 rows and a 256K vocabulary, 2 GB
   written and read again at every step), and reads the weights in the compute dtype
-  (``weights_in_compute_dtype``)."""
+  (``weights_in_compute_dtype``). Greedy decoding without ``return_logits`` takes each token
+  from ``model.greedy_extend``, which on GPUs does not write the logits at all."""
   stops = jnp.asarray(params.stop_tokens or (-1,), jnp.int32)
   model = weights_in_compute_dtype(model)
 
@@ -138,14 +139,19 @@ def decode(model, cache, logits, positions, params: SamplingParams, *, pad_id: i
     return jnp.where(done, pad_id, choose(logits, key, params.temperature, params.top_k,
                                          params.top_p))
 
+  greedy = params.temperature == 0.0 and not return_logits
+
   def step(carry, key):
     cache, token, pos, done, token_logits = carry
     if stream is not None:
       jax.debug.callback(stream, token, done, ordered=True)
     done = done | jnp.isin(token, stops)
+    out = (token, done, token_logits)
+    if greedy:  # the model's greedy path: a GPU never writes the logits (Model.greedy_extend)
+      token, cache = model.greedy_extend(token[:, None], pos[:, None], cache)
+      return (cache, jnp.where(done, pad_id, token), pos + 1, done, None), out
     logits, cache = model.extend(token[:, None], pos[:, None], cache)
     logits = logits[:, 0]
-    out = (token, done, token_logits)
     return (cache, pick(logits, key, done), pos + 1, done,
             logits if return_logits else None), out
 

@@ -158,11 +158,15 @@ def test_gated_up_matches_float64(n, d, m, dtype):
 
 
 def test_decode_kernel_benchmark_script_prints_its_rows():
-  """scripts/bench/bench_decode_kernels.py --tiny (interpreted): XLA's row and the kernels'."""
+  """scripts/bench/bench_decode_kernels.py --tiny (interpreted): XLA's rows and the kernels'."""
   import helpers  # pylint: disable=g-import-not-at-top
   out = helpers.run_script("bench/bench_decode_kernels.py", "--tiny").stdout
   rows = [line for line in out.splitlines() if line.startswith("| ") and "ms" not in line]
-  assert [r.split(" | ")[1] for r in rows] == [
+  names = [r.split(" | ")[1] for r in rows]
+  assert names[:7] == [
       "XLA", "XLA", "kernel, 32 rows x 4 warps, 32 columns, 1 stages",
       "XLA's Conv1D, then the kernel, 32 rows x 4 warps, 32 columns, 1 stages", "XLA",
-      "kernel, tile 64x64, K 64, 4 warps, 2 stages"], out
+      "kernel, tile 64x64, K 64, 4 warps, 2 stages", "XLA"], out
+  # the greedy kernel's row, with the fraction of rows on which it picks XLA's token
+  assert len(names) == 8 and names[7].startswith(
+      "kernel, tile 16x256, K 64, 4 warps, 2 stages (same token on "), out

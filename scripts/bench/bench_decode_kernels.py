@@ -24,6 +24,13 @@ Rows (defaults: Hawk 1.3B's recurrent block at 2048 rows, bfloat16):
 - the MLP's up-projection and GeLU gating: XLA's (``MLPBlock``'s decoding branch, without the
   down-projection) against ``pallas_kernels.mlp.gated_up`` with each ``--mlp_tiles`` entry
   (rows x cols x K step x warps x stages). FLOP floor: ``4 B D M`` over the device's peak.
+- the greedy token from the tied output layer (``--vocab``): XLA's (the logits in bfloat16, the
+  soft cap and the argmax, as ``Model._logits`` and ``sampling.choose``) against
+  ``pallas_kernels.sampling.greedy`` with each ``--greedy_tiles`` entry (rows x vocabulary
+  columns x K step x warps x stages), with the fraction of rows on which the two agree. FLOP
+  floor: ``2 B D V`` over the peak.
+
+``--only recurrent,mlp,greedy`` picks the groups of rows.
 
 ``--tiny``: small shapes, interpreted, for a CPU check of the script.
 """
@@ -41,6 +48,7 @@ from flax import nnx  # noqa: E402
 
 from pallas_kernels.mlp import gated_up  # noqa: E402
 from pallas_kernels.rg_lru import decode  # noqa: E402
+from pallas_kernels.sampling import greedy  # noqa: E402
 from recurrentgemma_jax import flops  # noqa: E402
 from recurrentgemma_jax import model as model_lib  # noqa: E402
 from recurrentgemma_jax import recurrent  # noqa: E402
@@ -59,6 +67,10 @@ def main():
                       "unrolled) x stages")
   parser.add_argument("--mlp_tiles",
                       default="128x128x64x8x3,128x128x64x8x4,128x64x64x8x3,64x128x64x4x4")
+  parser.add_argument("--vocab", type=int, default=256_000)
+  parser.add_argument("--greedy_tiles",
+                      default="128x256x64x8x3,128x128x64x8x3,128x256x64x8x4,256x128x64x8x3")
+  parser.add_argument("--only", default="recurrent,mlp,greedy")
   parser.add_argument("--iters", type=int, default=5, help="timed loops (median)")
   parser.add_argument("--steps", type=int, default=50, help="steps a timed loop")
   parser.add_argument("--tiny", action="store_true")
@@ -66,6 +78,8 @@ def main():
   if args.tiny:
     args.batch, args.width, args.lru_width, args.gate_blocks, args.mlp = 5, 64, 64, 2, 128
     args.step_tiles, args.mlp_tiles, args.iters, args.steps = "32x4x32x1", "64x64x64x4x2", 1, 2
+    args.vocab, args.greedy_tiles = 512, "16x256x64x4x2"
+  only = set(args.only.split(","))
   b, d, e, m = args.batch, args.width, args.lru_width, args.mlp
   dt = jnp.bfloat16
   rngs = nnx.Rngs(0)
@@ -149,11 +163,25 @@ def main():
     return body
 
   update_floor = 12 * b * e / ceiling * 1e3
+  if "recurrent" in only:
+    recurrent_rows(row, per_step, update_body, recurrent_body, xla_update, xla_step,
+                   kernel_update, kernel_step, block, x, cache, update_floor, step_floor,
+                   args.step_tiles)
+  if "mlp" in only:
+    mlp_rows(row, per_step, mlp_body, mlp_up, mlp, xm, b, m, dt, mlp_floor, args.mlp_tiles,
+             interpret)
+  if "greedy" in only:
+    greedy_rows(row, per_step, xm[:, 0], args.vocab, peak, args.greedy_tiles, interpret)
+
+
+def recurrent_rows(row, per_step, update_body, recurrent_body, xla_update, xla_step,
+                   kernel_update, kernel_step, block, x, cache, update_floor, step_floor,
+                   step_tiles):
   row("gates + RG-LRU update", "XLA",
       per_step(update_body(xla_update), block, (x, cache.rg_lru_state)), update_floor)
   row("Conv1D + gates + RG-LRU update", "XLA",
       per_step(recurrent_body(xla_step), block, (x, cache)), step_floor)
-  for tile in args.step_tiles.split(","):
+  for tile in step_tiles.split(","):
     rows, warps, cols, stages = map(int, tile.split("x"))
     # pylint: disable=protected-access
     decode._ROWS, decode._WARPS, decode._COLS, decode._STAGES = rows, warps, cols, stages
@@ -168,10 +196,13 @@ def main():
       print(f"| gates + RG-LRU update | kernel, tile {tile} | error: "
             f"{str(err).splitlines()[0][:150]} | | |", flush=True)
 
+
+
+def mlp_rows(row, per_step, mlp_body, mlp_up, mlp, xm, b, m, dt, mlp_floor, mlp_tiles, interpret):
   mlp_carry = (xm, jnp.zeros((b, m), dt))
   row("MLP up-projection + GeLU gating", "XLA", per_step(mlp_body(mlp_up), mlp, mlp_carry),
       mlp_floor)
-  for tile in args.mlp_tiles.split(","):
+  for tile in mlp_tiles.split(","):
     r, c, k, warps, stages = map(int, tile.split("x"))
     gated_up._ROWS, gated_up._COLS, gated_up._K = r, c, k  # pylint: disable=protected-access
     gated_up._WARPS, gated_up._STAGES = warps, stages  # pylint: disable=protected-access
@@ -184,6 +215,49 @@ def main():
           f"{stages} stages", ms, mlp_floor)
     except Exception as err:  # pylint: disable=broad-except
       print(f"| MLP up-projection + GeLU gating | kernel, tile {tile} | error: "
+            f"{str(err).splitlines()[0][:150]} | | |", flush=True)
+
+
+def greedy_rows(row, per_step, x, vocab, peak, greedy_tiles, interpret):
+  b, d = x.shape
+  table = (jax.random.normal(jax.random.PRNGKey(5), (vocab, d), jnp.float32)
+           / d ** 0.5).astype(x.dtype)
+  cap = model_lib.ModelConfig.logits_soft_cap
+
+  def xla_token(table, x):
+    logits = jnp.dot(x, table.T).astype(jnp.float32)
+    return jnp.argmax(jnp.tanh(logits / cap) * cap, axis=-1).astype(jnp.int32)
+
+  def body(token):  # the token feeds the next input, so the loop-invariant table is not hoisted
+    def step(table, x):
+      t = token(table, x)
+      return x + (t[:, None] % 3).astype(x.dtype) * 1e-2
+    return step
+
+  class Table(nnx.Module):  # per_step splits a module
+    def __init__(self, table):
+      self.table = nnx.Variable(table)
+
+  module = Table(table)
+  floor = 2 * b * d * vocab / peak * 1e3 if peak else float("nan")
+  wrap = lambda f: (lambda m, x: f(m.table[...], x))
+  row("greedy token (output layer + argmax)", "XLA", per_step(body(wrap(xla_token)), module, x),
+      floor)
+  want = jax.jit(xla_token)(table, x)
+  logits = jnp.dot(x, table.T).astype(jnp.float32)
+  for tile in greedy_tiles.split(","):
+    tile = tuple(map(int, tile.split("x")))
+    try:
+      kernel = lambda t, x, tile=tile: greedy.greedy_token(x, t, tile=tile, interpret=interpret)
+      got = jax.jit(kernel)(table, x)
+      agree = float(jnp.mean(got == want))
+      gap = float(jnp.max(jnp.max(logits, axis=1) - jnp.take_along_axis(logits, got[:, None], 1)[:, 0]))
+      ms = per_step(body(wrap(kernel)), module, x)
+      row("greedy token (output layer + argmax)", f"kernel, tile {tile[0]}x{tile[1]}, K "
+          f"{tile[2]}, {tile[3]} warps, {tile[4]} stages (same token on {agree:.2%} of rows, "
+          f"largest logit gap {gap:.3g})", ms, floor)
+    except Exception as err:  # pylint: disable=broad-except
+      print(f"| greedy token | kernel, tile {tile} | error: "
             f"{str(err).splitlines()[0][:150]} | | |", flush=True)
 
 

@@ -1,0 +1,135 @@
+"""The greedy token from the tied output layer in one kernel, for decoding (no backward).
+
+``greedy_token(x, table, *, interpret=False) -> tokens`` with ``x: [N, D]`` (the final norm's
+output), ``table: [V, D]`` (the embedding table, tied): ``argmax_v (x table^T)[n, v]``, int32
+``[N]``. XLA writes the ``[N, V]`` logits and reads them again for the argmax (Hawk 1.3B at 2048
+rows and V = 256K on an H100: 1 GB a step, a 0.50 ms pass; docs/bench/decode_log.md). Here each
+program computes a ``[rows, cols]`` tile of the logits in float32 over ``D`` in steps of ``_K``,
+rounds it to ``x``'s dtype (as XLA stores the logits), and writes only each row's largest value
+in the tile and its first column; ``pick`` reduces those ``[N, V / cols]`` partials to the token.
+
+The model's logit soft cap (``cap * tanh(l / cap)``) is increasing, so it is left out: it picks
+the same token unless two logits round to the same capped float32 value, which takes logits
+beyond about 9 x the cap (float32's tanh is 1.0 there). Ties go to the lower index, as
+``jnp.argmax``. The tile's matmul sums in another order than XLA's gemm, so a row whose two best
+logits differ by about a bfloat16 rounding may pick the other one.
+
+Triton lowering (``interpret=True``: Pallas' interpreter, the CPU tests). ``D`` a multiple of
+``_K`` and ``V`` of 128 (``supported``); ``N`` is padded inside.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# The tile: 128 rows by 256 vocabulary columns, K steps of 64, 8 warps, 3 stages (as
+# ``mlp.gated_up``'s 128 x 2 x 128). Programs run rows fastest, so the rows of the batch that share
+# a slice of the table run together and the table is read from memory about once.
+_ROWS, _COLS, _K = 128, 256, 64
+_WARPS, _STAGES = 8, 3
+# float32 operands: half the K step and 2 stages (shared memory), as ``gated_up``.
+_K32, _STAGES32 = 32, 2
+
+# The fewest rows (per device) for which the model takes the kernel (``model.decode_impl``). On
+# an H100 at a 1.3B model's output layer (V = 256K, D = 2048; bench_decode_kernels.py, session
+# 31), ms a call, XLA / kernel: 2048 rows 3.80 / 3.30, 1024 rows 1.93 / 1.66, 512 rows 1.04 /
+# 0.92, 128 rows 0.46 / 0.39, 16 rows 0.369 / 0.380 (reading the table bounds both there).
+MIN_ROWS = 128
+
+
+def _cols(vocab: int) -> int:
+  return _COLS if vocab % _COLS == 0 else 128
+
+
+def supported(vocab: int, width: int) -> bool:
+  return width % _K == 0 and vocab % 128 == 0
+
+
+def worthwhile(rows: int, vocab: int, width: int) -> bool:
+  """Whether the model takes the kernel: shapes it takes, ``MIN_ROWS`` rows or more."""
+  return rows >= MIN_ROWS and supported(vocab, width)
+
+
+def reference(x, table):
+  """The same in jnp: the logits in ``x``'s dtype, then the argmax."""
+  logits = jnp.dot(x, table.astype(x.dtype).T)
+  return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def partials_reference(x, table):
+  """``partials``' outputs (less the padding and ``cols``) in jnp, from the logits in ``x``'s
+  dtype: the path of a device with fewer rows than ``MIN_ROWS`` under a mesh."""
+  n, vocab = x.shape[0], table.shape[0]
+  cols = _cols(vocab)
+  logits = jnp.dot(x, table.astype(x.dtype).T).astype(jnp.float32).reshape(n, vocab // cols, cols)
+  return jnp.max(logits, axis=2), jnp.argmax(logits, axis=2).astype(jnp.int32)
+
+
+def _kernel(x_ref, t_ref, max_ref, arg_ref, *, k_step):
+  f32 = jnp.float32
+  rows, cols = x_ref.shape[0], t_ref.shape[0]
+
+  def step(k, acc):
+    xs = x_ref[:, pl.ds(k * k_step, k_step)]
+    ts = t_ref[:, pl.ds(k * k_step, k_step)]
+    return acc + jax.lax.dot_general(xs, ts, (((1,), (1,)), ((), ())),
+                                     preferred_element_type=f32)
+
+  acc = jax.lax.fori_loop(0, x_ref.shape[1] // k_step, step, jnp.zeros((rows, cols), f32))
+  logits = acc.astype(x_ref.dtype).astype(f32)
+  best = jnp.max(logits, axis=1)
+  column = jax.lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
+  first = jnp.min(jnp.where(logits == best[:, None], column, cols), axis=1)
+  max_ref[...] = best[:, None]
+  arg_ref[...] = first[:, None]
+
+
+def partials(x, table, *, tile=None, interpret: bool = False):
+  """``(best [N', V / cols] float32, column [N', V / cols] int32, cols)``: each row's largest
+  logit in each vocabulary tile and its first column in the tile (``N'``: ``N`` padded to the
+  tile's rows). ``tile``: ``(rows, cols, K step, warps, stages)`` for benchmarks."""
+  n, d = x.shape
+  vocab = table.shape[0]
+  if table.shape != (vocab, d) or not supported(vocab, d):
+    raise ValueError(f"greedy_token: x {x.shape}, table {table.shape}: need table [V, D], D a "
+                     f"multiple of {_K}, V of 128")
+  wide = jnp.dtype(x.dtype).itemsize > 2
+  tile_rows, cols, k_step, warps, stages = tile or (
+      _ROWS, _cols(vocab), _K32 if wide else _K, _WARPS, _STAGES32 if wide else _STAGES)
+  tile_rows = min(tile_rows, max(16, 1 << (n - 1).bit_length()))
+  rows = -(-n // tile_rows) * tile_rows
+  tiles = vocab // cols
+  best, column = pl.pallas_call(
+      functools.partial(_kernel, k_step=k_step),
+      name="pallas_greedy_token",
+      out_shape=(jax.ShapeDtypeStruct((rows, tiles), jnp.float32),
+                 jax.ShapeDtypeStruct((rows, tiles), jnp.int32)),
+      grid=(rows // tile_rows, tiles),
+      in_specs=[pl.BlockSpec((tile_rows, d), lambda r, c: (r, 0)),
+                pl.BlockSpec((cols, d), lambda r, c: (c, 0))],
+      out_specs=(pl.BlockSpec((tile_rows, 1), lambda r, c: (r, c)),
+                 pl.BlockSpec((tile_rows, 1), lambda r, c: (r, c))),
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=warps,
+                                                                  num_stages=stages),
+      interpret=interpret,
+  )(jnp.pad(x, ((0, rows - n), (0, 0))), table.astype(x.dtype))
+  return best, column, cols
+
+
+def pick(best, column, cols: int):
+  """The token of each row from ``partials``' per-tile maxima (the first tile holding the row's
+  maximum, as ``jnp.argmax``)."""
+  tile = jnp.argmax(best, axis=1)
+  return (tile * cols + jnp.take_along_axis(column, tile[:, None], axis=1)[:, 0]).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("tile", "interpret"))
+def greedy_token(x, table, *, tile=None, interpret: bool = False):
+  """See the module docstring."""
+  best, column, cols = partials(x, table, tile=tile, interpret=interpret)
+  return pick(best, column, cols)[:x.shape[0]]
