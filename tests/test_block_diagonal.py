@@ -150,7 +150,7 @@ def test_gpu_kernel_check_script_passes_every_kernel_and_flags_a_wrong_one(monke
   with pytest.raises(SystemExit) as exit_:
     check.main()
   rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
-  assert exit_.value.code == 0 and len(rows) == 26, rows
+  assert exit_.value.code == 0 and len(rows) == 28, rows
   assert all("| ok |" in row for row in rows), rows
 
   wrong = lambda x, w, b: block_diagonal.block_diagonal_matmul(x, w, b, interpret=True) * 1.01

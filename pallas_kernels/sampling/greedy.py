@@ -42,7 +42,8 @@ _K32, _STAGES32 = 32, 2
 MIN_ROWS = 128
 
 
-def _cols(vocab: int) -> int:
+def tile_cols(vocab: int) -> int:
+  """Vocabulary columns of a tile."""
   return _COLS if vocab % _COLS == 0 else 128
 
 
@@ -65,7 +66,7 @@ def partials_reference(x, table):
   """``partials``' outputs (less the padding and ``cols``) in jnp, from the logits in ``x``'s
   dtype: the path of a device with fewer rows than ``MIN_ROWS`` under a mesh."""
   n, vocab = x.shape[0], table.shape[0]
-  cols = _cols(vocab)
+  cols = tile_cols(vocab)
   logits = jnp.dot(x, table.astype(x.dtype).T).astype(jnp.float32).reshape(n, vocab // cols, cols)
   return jnp.max(logits, axis=2), jnp.argmax(logits, axis=2).astype(jnp.int32)
 
@@ -100,7 +101,7 @@ def partials(x, table, *, tile=None, interpret: bool = False):
                      f"multiple of {_K}, V of 128")
   wide = jnp.dtype(x.dtype).itemsize > 2
   tile_rows, cols, k_step, warps, stages = tile or (
-      _ROWS, _cols(vocab), _K32 if wide else _K, _WARPS, _STAGES32 if wide else _STAGES)
+      _ROWS, tile_cols(vocab), _K32 if wide else _K, _WARPS, _STAGES32 if wide else _STAGES)
   tile_rows = min(tile_rows, max(16, 1 << (n - 1).bit_length()))
   rows = -(-n // tile_rows) * tile_rows
   tiles = vocab // cols

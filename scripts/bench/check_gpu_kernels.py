@@ -28,6 +28,7 @@ from pallas_kernels.gates import block_diagonal  # noqa: E402
 from pallas_kernels.mlp import gated_up, gating  # noqa: E402
 from pallas_kernels.norm import rms  # noqa: E402
 from pallas_kernels.rg_lru import decode  # noqa: E402
+from pallas_kernels.sampling import greedy  # noqa: E402
 
 # Relative error allowed for each compute dtype: bfloat16 inputs are rounded before both the
 # kernel and the reference see them, so what is left is the kernel's own rounding.
@@ -35,8 +36,21 @@ TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
 # Triton takes float32 dots at their default precision in TF32 (10-bit mantissa), as XLA's
 # float32 dots on a GPU do: the H100 measured 2.9e-4 at the gate shape.
 TOLERANCE_OVERRIDES = {("block_diagonal", "float32"): 1e-3, ("gates_with_skip", "float32"): 1e-3,
-                       ("recurrent_decode_step", "float32"): 1e-3, ("gated_up", "float32"): 1e-3}
-FORWARD_ONLY = {"recurrent_decode_step", "gated_up"}  # decoding kernels: no gradients
+                       ("recurrent_decode_step", "float32"): 1e-3, ("gated_up", "float32"): 1e-3,
+                       ("greedy_token", "float32"): 1e-3}
+FORWARD_ONLY = {"recurrent_decode_step", "gated_up", "greedy_token"}  # decoding: no gradients
+
+
+def _greedy_maxima(x, table):
+  """Each row's largest logit in each of ``greedy``'s vocabulary tiles (the kernel's partials,
+  which also hold the column each came from; the tokens are compared by bench_decode_kernels.py)."""
+  return greedy.partials(x, table, interpret=jax.default_backend() == "cpu")[0][:x.shape[0]]
+
+
+def _greedy_maxima_reference(x, table):
+  n, vocab = x.shape[0], table.shape[0]
+  cols = greedy.tile_cols(vocab)
+  return jnp.max(jnp.dot(x, table.astype(x.dtype).T).reshape(n, vocab // cols, cols), axis=2)
 
 
 def _block_diagonal_reference(x, w, b):
@@ -100,6 +114,10 @@ def cases(tiny: bool):
   up = lambda x, w, b: gated_up.gated_up(x, w, b, interpret=interpret)
   yield ("gated_up", up, gated_up.reference,
          [("x", (gn, gd)), ("gate_weight", (2, gd, gm)), ("param", (2, gm))])
+  # a 1.3B model's output layer, 128 rows (the float64 reference on the host is the slow part)
+  gn, gd, gv = (70, 64, 512) if tiny else (128, 2048, 65536)
+  yield ("greedy_token", _greedy_maxima, _greedy_maxima_reference,
+         [("x", (gn, gd)), ("gate_weight", (gv, gd))])
   n, d = (70, 48) if tiny else (32768, 1536)                  # Griffin 400M's residual stream
   norm = lambda x, scale: rms.rms_norm_with_skip(x, scale, eps=1e-6, interpret=interpret)
   yield ("rms_norm", norm, lambda x, scale: (x, rms.forward(x, scale, 1e-6)),
