@@ -148,3 +148,24 @@ def test_greedy_sampling_under_a_mesh(monkeypatch):
       got = sampling.sample(model, prompts, params)
     assert calls == local, (shape, calls)
     np.testing.assert_array_equal(got.tokens, want.tokens)
+
+
+def test_greedy_sampling_under_a_mesh_with_an_odd_share_of_the_vocabulary(monkeypatch):
+  """A vocabulary of 384 split over model=2 leaves each device 192 columns, no multiple of the
+  kernel's 128: each device takes XLA's partials over its share as one tile, and the tokens are
+  those of one device (which takes the kernel)."""
+  calls = _count_kernel_calls(monkeypatch)
+  cfg = model_lib.ModelConfig(family="mqa", vocab_size=384, width=64, num_layers=2, num_heads=2,
+                              mlp_expanded_width=128, dtype="float32", decode_impl="pallas")
+  model = perturbed(model_lib.init_model(cfg, 2), seed=3, scale=0.2)
+  prompts = [list(np.random.default_rng(r).integers(1, 384, 2 + r % 3)) for r in range(8)]
+  params = sampling.SamplingParams(max_new_tokens=4)
+  monkeypatch.setattr(greedy, "MIN_ROWS", 1)
+  jax.clear_caches()
+  want = sampling.sample(model, prompts, params)
+  assert calls == [(8, 384)]
+  calls.clear()
+  with jax.set_mesh(partitioning.make_mesh(4, 2)):
+    got = sampling.sample(model, prompts, params)
+  assert not calls
+  np.testing.assert_array_equal(got.tokens, want.tokens)

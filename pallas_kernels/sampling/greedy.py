@@ -43,8 +43,9 @@ MIN_ROWS = 128
 
 
 def tile_cols(vocab: int) -> int:
-  """Vocabulary columns of a tile."""
-  return _COLS if vocab % _COLS == 0 else 128
+  """Vocabulary columns of a tile: ``_COLS``, 128, or (``partials_reference`` only, for a share of
+  the vocabulary that is no multiple of 128) the whole vocabulary."""
+  return next((c for c in (_COLS, 128) if vocab % c == 0), vocab)
 
 
 def supported(vocab: int, width: int) -> bool:
