@@ -131,7 +131,8 @@ def decode(model, cache, logits, positions, params: SamplingParams, *, pad_id: i
   chosen token, not the ``[B, V]`` logits (float32: at 2048 rows and a 256K vocabulary, 2 GB
   written and read again at every step), and reads the weights in the compute dtype
   (``weights_in_compute_dtype``). Greedy decoding without ``return_logits`` takes each token
-  from ``model.greedy_extend``, which on GPUs does not write the logits at all."""
+  from ``model.greedy_extend``, which on GPUs, from ``greedy.MIN_ROWS`` rows a device, does not
+  write the logits at all."""
   stops = jnp.asarray(params.stop_tokens or (-1,), jnp.int32)
   model = weights_in_compute_dtype(model)
 

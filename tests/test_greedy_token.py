@@ -64,6 +64,14 @@ def test_greedy_token_ties_go_to_the_lower_index():
     np.testing.assert_array_equal(got, np.asarray(greedy.reference(x, tied)))
 
 
+def test_greedy_token_stays_in_the_vocabulary_with_nan_logits():
+  """A NaN logit (a diverged model) still gives a token inside the vocabulary."""
+  x, table = random_inputs(2, 3, 256, 64, jnp.float32)
+  for rows in (slice(255, 256), slice(None)):  # the last column NaN; every column NaN
+    got = np.asarray(greedy.greedy_token(x, table.at[rows].set(jnp.nan), interpret=True))
+    assert np.all((got >= 0) & (got < 256)), got
+
+
 def test_greedy_token_rejects_unsupported_shapes():
   x, table = random_inputs(0, 4, 200, 64, jnp.float32)
   with pytest.raises(ValueError, match="V of 128"):

@@ -9,10 +9,12 @@ rounds it to ``x``'s dtype (as XLA stores the logits), and writes only each row'
 in the tile and its first column; ``pick`` reduces those ``[N, V / cols]`` partials to the token.
 
 The model's logit soft cap (``cap * tanh(l / cap)``) is increasing, so it is left out: it picks
-the same token unless two logits round to the same capped float32 value, which takes logits
-beyond about 9 x the cap (float32's tanh is 1.0 there). Ties go to the lower index, as
-``jnp.argmax``. The tile's matmul sums in another order than XLA's gemm, so a row whose two best
-logits differ by about a bfloat16 rounding may pick the other one.
+the same token unless two different logits round to the same capped float32 value, which takes
+large logits (bfloat16 ones from about 6.8 x the cap: 204 and 205 at a cap of 30) or float32
+logits an ulp or so apart near the cap. Ties go to the lower index, as ``jnp.argmax``. The
+tile's matmul sums in another order than XLA's gemm, so a row whose two best logits differ by
+about a rounding may pick the other one. A row with NaN logits gets some token of the
+vocabulary (``jnp.argmax`` would give the first NaN's).
 
 Triton lowering (``interpret=True``: Pallas' interpreter, the CPU tests). ``D`` a multiple of
 ``_K`` and ``V`` of 128 (``supported``); ``N`` is padded inside.
@@ -86,7 +88,8 @@ def _kernel(x_ref, t_ref, max_ref, arg_ref, *, k_step):
   logits = acc.astype(x_ref.dtype).astype(f32)
   best = jnp.max(logits, axis=1)
   column = jax.lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
-  first = jnp.min(jnp.where(logits == best[:, None], column, cols), axis=1)
+  # (clamped: a NaN maximum equals no column; the token stays in the vocabulary)
+  first = jnp.minimum(jnp.min(jnp.where(logits == best[:, None], column, cols), axis=1), cols - 1)
   max_ref[...] = best[:, None]
   arg_ref[...] = first[:, None]
 
