@@ -130,21 +130,28 @@ def test_greedy_sampling_with_the_kernel_equals_xla(family, monkeypatch):
   assert not calls
 
 
+def _one_device_tokens(monkeypatch, family, vocab, seed, new_tokens):
+  """``(model, prompts, params, tokens)``: a small float32 ``family`` model with
+  ``decode_impl=pallas``, 8 prompts of 2-4 tokens, and their greedy tokens on one device, every
+  batch taking the kernel (``MIN_ROWS`` 1)."""
+  cfg = model_lib.ModelConfig(family=family, vocab_size=vocab, width=64, lru_width=64,
+                              num_layers=2, num_heads=2, mlp_expanded_width=128,
+                              dtype="float32", decode_impl="pallas")
+  model = perturbed(model_lib.init_model(cfg, seed), seed=seed + 1, scale=0.2)
+  prompts = [list(np.random.default_rng(r).integers(1, vocab, 2 + r % 3)) for r in range(8)]
+  params = sampling.SamplingParams(max_new_tokens=new_tokens)
+  monkeypatch.setattr(greedy, "MIN_ROWS", 1)
+  jax.clear_caches()  # MIN_ROWS is read when tracing
+  return model, prompts, params, sampling.sample(model, prompts, params)
+
+
 def test_greedy_sampling_under_a_mesh(monkeypatch):
   """Under a data x model mesh the kernel runs on each device's rows and share of the
   vocabulary (rows over data, the table's rows over model), and the partials of all devices
   give the tokens of one device; a device with fewer rows than ``MIN_ROWS`` takes XLA's
   partials: same tokens."""
   calls = _count_kernel_calls(monkeypatch)
-  cfg = model_lib.ModelConfig(family="hawk", vocab_size=512, width=64, lru_width=64,
-                              num_layers=2, num_heads=2, mlp_expanded_width=128,
-                              dtype="float32", decode_impl="pallas")
-  model = perturbed(model_lib.init_model(cfg, 0), seed=1, scale=0.2)
-  prompts = [list(np.random.default_rng(r).integers(1, 512, 2 + r % 3)) for r in range(8)]
-  params = sampling.SamplingParams(max_new_tokens=5)
-  monkeypatch.setattr(greedy, "MIN_ROWS", 1)
-  jax.clear_caches()
-  want = sampling.sample(model, prompts, params)
+  model, prompts, params, want = _one_device_tokens(monkeypatch, "hawk", 512, 0, 5)
   assert calls == [(8, 512)]
   # model=2: 256 vocabulary rows a device (one tile of 256); model=4: 128 (one tile of 128)
   for shape, min_rows, local in (((4, 2), 1, [(2, 256)]), ((2, 4), 1, [(4, 128)]),
@@ -163,14 +170,7 @@ def test_greedy_sampling_under_a_mesh_with_an_odd_share_of_the_vocabulary(monkey
   kernel's 128: each device takes XLA's partials over its share as one tile, and the tokens are
   those of one device (which takes the kernel)."""
   calls = _count_kernel_calls(monkeypatch)
-  cfg = model_lib.ModelConfig(family="mqa", vocab_size=384, width=64, num_layers=2, num_heads=2,
-                              mlp_expanded_width=128, dtype="float32", decode_impl="pallas")
-  model = perturbed(model_lib.init_model(cfg, 2), seed=3, scale=0.2)
-  prompts = [list(np.random.default_rng(r).integers(1, 384, 2 + r % 3)) for r in range(8)]
-  params = sampling.SamplingParams(max_new_tokens=4)
-  monkeypatch.setattr(greedy, "MIN_ROWS", 1)
-  jax.clear_caches()
-  want = sampling.sample(model, prompts, params)
+  model, prompts, params, want = _one_device_tokens(monkeypatch, "mqa", 384, 2, 4)
   assert calls == [(8, 384)]
   calls.clear()
   with jax.set_mesh(partitioning.make_mesh(4, 2)):

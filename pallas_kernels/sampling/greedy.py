@@ -66,11 +66,13 @@ def reference(x, table):
 
 
 def partials_reference(x, table):
-  """``partials``' outputs (less the padding and ``cols``) in jnp, from the logits in ``x``'s
-  dtype: the path of a device with fewer rows than ``MIN_ROWS`` under a mesh."""
+  """``partials``' outputs (less ``cols``) in jnp, from the logits in ``x``'s dtype (float32 at
+  least): the path of a device with fewer rows than ``MIN_ROWS`` under a mesh, and the float64
+  reference of ``check_gpu_kernels.py``."""
   n, vocab = x.shape[0], table.shape[0]
   cols = tile_cols(vocab)
-  logits = jnp.dot(x, table.astype(x.dtype).T).astype(jnp.float32).reshape(n, vocab // cols, cols)
+  logits = jnp.dot(x, table.astype(x.dtype).T).astype(jnp.promote_types(x.dtype, jnp.float32))
+  logits = logits.reshape(n, vocab // cols, cols)
   return jnp.max(logits, axis=2), jnp.argmax(logits, axis=2).astype(jnp.int32)
 
 
@@ -95,9 +97,9 @@ def _kernel(x_ref, t_ref, max_ref, arg_ref, *, k_step):
 
 
 def partials(x, table, *, tile=None, interpret: bool = False):
-  """``(best [N', V / cols] float32, column [N', V / cols] int32, cols)``: each row's largest
-  logit in each vocabulary tile and its first column in the tile (``N'``: ``N`` padded to the
-  tile's rows). ``tile``: ``(rows, cols, K step, warps, stages)`` for benchmarks."""
+  """``(best [N, V / cols] float32, column [N, V / cols] int32, cols)``: each row's largest logit
+  in each vocabulary tile and its first column in the tile. ``tile``: ``(rows, cols, K step,
+  warps, stages)`` for benchmarks."""
   n, d = x.shape
   vocab = table.shape[0]
   if table.shape != (vocab, d) or not supported(vocab, d):
@@ -123,7 +125,7 @@ def partials(x, table, *, tile=None, interpret: bool = False):
                                                                   num_stages=stages),
       interpret=interpret,
   )(jnp.pad(x, ((0, rows - n), (0, 0))), table.astype(x.dtype))
-  return best, column, cols
+  return best[:n], column[:n], cols
 
 
 def pick(best, column, cols: int):
@@ -137,4 +139,4 @@ def pick(best, column, cols: int):
 def greedy_token(x, table, *, tile=None, interpret: bool = False):
   """See the module docstring."""
   best, column, cols = partials(x, table, tile=tile, interpret=interpret)
-  return pick(best, column, cols)[:x.shape[0]]
+  return pick(best, column, cols)

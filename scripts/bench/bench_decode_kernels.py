@@ -164,58 +164,45 @@ def main():
 
   update_floor = 12 * b * e / ceiling * 1e3
   if "recurrent" in only:
-    recurrent_rows(row, per_step, update_body, recurrent_body, xla_update, xla_step,
-                   kernel_update, kernel_step, block, x, cache, update_floor, step_floor,
-                   args.step_tiles)
+    row("gates + RG-LRU update", "XLA",
+        per_step(update_body(xla_update), block, (x, cache.rg_lru_state)), update_floor)
+    row("Conv1D + gates + RG-LRU update", "XLA",
+        per_step(recurrent_body(xla_step), block, (x, cache)), step_floor)
+    for tile in args.step_tiles.split(","):
+      rows, warps, cols, stages = map(int, tile.split("x"))
+      # pylint: disable=protected-access
+      decode._ROWS, decode._WARPS, decode._COLS, decode._STAGES = rows, warps, cols, stages
+      jax.clear_caches()
+      name = f"kernel, {rows} rows x {warps} warps, {cols or 'pieces of'} columns, {stages} stages"
+      try:
+        row("gates + RG-LRU update", name,
+            per_step(update_body(kernel_update), block, (x, cache.rg_lru_state)), update_floor)
+        row("Conv1D + gates + RG-LRU update", f"XLA's Conv1D, then the {name}",
+            per_step(recurrent_body(kernel_step), block, (x, cache)), step_floor)
+      except Exception as err:  # pylint: disable=broad-except  (a tile Triton rejects)
+        print(f"| gates + RG-LRU update | kernel, tile {tile} | error: "
+              f"{str(err).splitlines()[0][:150]} | | |", flush=True)
+
   if "mlp" in only:
-    mlp_rows(row, per_step, mlp_body, mlp_up, mlp, xm, b, m, dt, mlp_floor, args.mlp_tiles,
-             interpret)
+    mlp_carry = (xm, jnp.zeros((b, m), dt))
+    row("MLP up-projection + GeLU gating", "XLA", per_step(mlp_body(mlp_up), mlp, mlp_carry),
+        mlp_floor)
+    for tile in args.mlp_tiles.split(","):
+      r, c, k, warps, stages = map(int, tile.split("x"))
+      gated_up._ROWS, gated_up._COLS, gated_up._K = r, c, k  # pylint: disable=protected-access
+      gated_up._WARPS, gated_up._STAGES = warps, stages  # pylint: disable=protected-access
+      jax.clear_caches()
+      try:
+        up = lambda mlp, x: gated_up.gated_up(x[:, 0], mlp.ffw_up.w[...],
+                                              mlp.ffw_up.b[...].reshape(2, -1), interpret=interpret)
+        ms = per_step(mlp_body(up), mlp, mlp_carry)
+        row("MLP up-projection + GeLU gating", f"kernel, tile {r}x{c}, K {k}, {warps} warps, "
+            f"{stages} stages", ms, mlp_floor)
+      except Exception as err:  # pylint: disable=broad-except
+        print(f"| MLP up-projection + GeLU gating | kernel, tile {tile} | error: "
+              f"{str(err).splitlines()[0][:150]} | | |", flush=True)
   if "greedy" in only:
     greedy_rows(row, per_step, xm[:, 0], args.vocab, peak, args.greedy_tiles, interpret)
-
-
-def recurrent_rows(row, per_step, update_body, recurrent_body, xla_update, xla_step,
-                   kernel_update, kernel_step, block, x, cache, update_floor, step_floor,
-                   step_tiles):
-  row("gates + RG-LRU update", "XLA",
-      per_step(update_body(xla_update), block, (x, cache.rg_lru_state)), update_floor)
-  row("Conv1D + gates + RG-LRU update", "XLA",
-      per_step(recurrent_body(xla_step), block, (x, cache)), step_floor)
-  for tile in step_tiles.split(","):
-    rows, warps, cols, stages = map(int, tile.split("x"))
-    # pylint: disable=protected-access
-    decode._ROWS, decode._WARPS, decode._COLS, decode._STAGES = rows, warps, cols, stages
-    jax.clear_caches()
-    name = f"kernel, {rows} rows x {warps} warps, {cols or 'pieces of'} columns, {stages} stages"
-    try:
-      row("gates + RG-LRU update", name,
-          per_step(update_body(kernel_update), block, (x, cache.rg_lru_state)), update_floor)
-      row("Conv1D + gates + RG-LRU update", f"XLA's Conv1D, then the {name}",
-          per_step(recurrent_body(kernel_step), block, (x, cache)), step_floor)
-    except Exception as err:  # pylint: disable=broad-except  (a tile Triton rejects)
-      print(f"| gates + RG-LRU update | kernel, tile {tile} | error: "
-            f"{str(err).splitlines()[0][:150]} | | |", flush=True)
-
-
-
-def mlp_rows(row, per_step, mlp_body, mlp_up, mlp, xm, b, m, dt, mlp_floor, mlp_tiles, interpret):
-  mlp_carry = (xm, jnp.zeros((b, m), dt))
-  row("MLP up-projection + GeLU gating", "XLA", per_step(mlp_body(mlp_up), mlp, mlp_carry),
-      mlp_floor)
-  for tile in mlp_tiles.split(","):
-    r, c, k, warps, stages = map(int, tile.split("x"))
-    gated_up._ROWS, gated_up._COLS, gated_up._K = r, c, k  # pylint: disable=protected-access
-    gated_up._WARPS, gated_up._STAGES = warps, stages  # pylint: disable=protected-access
-    jax.clear_caches()
-    try:
-      up = lambda mlp, x: gated_up.gated_up(x[:, 0], mlp.ffw_up.w[...],
-                                            mlp.ffw_up.b[...].reshape(2, -1), interpret=interpret)
-      ms = per_step(mlp_body(up), mlp, mlp_carry)
-      row("MLP up-projection + GeLU gating", f"kernel, tile {r}x{c}, K {k}, {warps} warps, "
-          f"{stages} stages", ms, mlp_floor)
-    except Exception as err:  # pylint: disable=broad-except
-      print(f"| MLP up-projection + GeLU gating | kernel, tile {tile} | error: "
-            f"{str(err).splitlines()[0][:150]} | | |", flush=True)
 
 
 def greedy_rows(row, per_step, x, vocab, peak, greedy_tiles, interpret):
@@ -251,7 +238,8 @@ def greedy_rows(row, per_step, x, vocab, peak, greedy_tiles, interpret):
       kernel = lambda t, x, tile=tile: greedy.greedy_token(x, t, tile=tile, interpret=interpret)
       got = jax.jit(kernel)(table, x)
       agree = float(jnp.mean(got == want))
-      gap = float(jnp.max(jnp.max(logits, axis=1) - jnp.take_along_axis(logits, got[:, None], 1)[:, 0]))
+      chosen = jnp.take_along_axis(logits, got[:, None], 1)[:, 0]
+      gap = float(jnp.max(jnp.max(logits, axis=1) - chosen))
       ms = per_step(body(wrap(kernel)), module, x)
       row("greedy token (output layer + argmax)", f"kernel, tile {tile[0]}x{tile[1]}, K "
           f"{tile[2]}, {tile[3]} warps, {tile[4]} stages (same token on {agree:.2%} of rows, "
