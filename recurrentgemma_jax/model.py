@@ -221,12 +221,13 @@ class ModelConfig:
     """``pallas``: a recurrent block's one-token step after its Conv1D (both gates and the
     RG-LRU update) as one Triton kernel, ``pallas_kernels.rg_lru.decode`` (interpreted on a
     CPU; a TPU takes XLA's), where XLA runs the gate kernel and then passes of its own, from
-    ``decode.MIN_ROWS`` (2048) rows a device. ``auto``: on GPUs (on an H100 at Hawk 1.3B's
-    2048 rows: the decoding step 14.31-14.33 ms against 14.67; Griffin's, with the kernel at 3
-    pipeline stages, 17.39 against 17.66; slower at 512 rows and fewer;
-    docs/bench/decode_log.md, session 30). Also greedy decoding's output layer and argmax as one
-    kernel that never writes the logits (``Model.greedy_extend``,
-    ``pallas_kernels.sampling.greedy``), from ``greedy.MIN_ROWS`` (128) rows a device."""
+    ``decode.MIN_ROWS`` (512) rows a device. ``auto``: on GPUs (on an H100 at Hawk 1.3B's
+    2048 rows: the decoding step 14.17-14.19 ms against 14.55-14.59 with the kernel's earlier
+    tiles (session 32) and 14.67 with XLA's step (session 30); Griffin's 17.20-17.25 against
+    17.42-17.44 with the earlier tiles; docs/bench/decode_log.md). Also greedy decoding's
+    output layer and argmax as one kernel that never writes the logits
+    (``Model.greedy_extend``, ``pallas_kernels.sampling.greedy``), from ``greedy.MIN_ROWS``
+    (128) rows a device."""
     return _kernel_on_gpus(self.decode_impl)
 
   @property

@@ -43,17 +43,19 @@ def random_inputs(seed, batch, width, blocks, dtype):
           arr((width,), 1.0, jnp.float32), arr((batch, width), 1.0, jnp.float32))
 
 
-@pytest.mark.parametrize("batch,width,blocks,dtype,cols", [
-    (5, 96, 2, jnp.float32, 32),      # blocks of 48 (pieces 32 + 16, unrolled), padded rows
+@pytest.mark.parametrize("batch,width,blocks,dtype,split", [
+    (5, 96, 2, jnp.float32, 32),      # blocks of 48 (no multiple of 32): pieces 32 + 16, unrolled
     (70, 64, 4, jnp.bfloat16, 32),    # blocks of 16, two row tiles
-    (3, 320, 2, jnp.float32, 32),     # blocks of 160, output columns 32 at a time in a loop
-    (3, 320, 2, jnp.float32, 1024),   # the same in pieces of 128 + 32, unrolled
-    (33, 256, 2, jnp.bfloat16, 32),   # blocks of 128
+    (3, 320, 2, jnp.float32, 32),     # blocks of 160 as 5 programs of 32 columns
+    (70, 320, 2, jnp.float32, 32),    # the same over two row tiles, padded rows
+    (3, 320, 2, jnp.float32, 0),      # whole blocks of 160: pieces of 128 + 32, unrolled
+    (33, 256, 2, jnp.bfloat16, 32),   # blocks of 128 as 4 programs
+    (5, 256, 2, jnp.bfloat16, 64),    # as 2 programs of 64 columns
 ])
-def test_gates_update_matches_float64(batch, width, blocks, dtype, cols, monkeypatch):
-  monkeypatch.setattr(decode, "_COLS", cols)
-  jax.clear_caches()  # _COLS is read when tracing
-  inputs = random_inputs(batch * width + cols, batch, width, blocks, dtype)
+def test_gates_update_matches_float64(batch, width, blocks, dtype, split, monkeypatch):
+  monkeypatch.setattr(decode, "_SPLIT", split)
+  jax.clear_caches()  # _SPLIT is read when tracing
+  inputs = random_inputs(batch * width + split, batch, width, blocks, dtype)
   y, h = decode.gates_update(*inputs, interpret=True)
   want = reference_update(*inputs, dtype)
   assert y.dtype == dtype and h.dtype == jnp.float32 and h.shape == (batch, width)
@@ -68,7 +70,7 @@ def test_gates_update_matches_float64(batch, width, blocks, dtype, cols, monkeyp
             for a in inputs]
     np.testing.assert_allclose(np.asarray(decode.reference(*wide)[1]),
                                reference_update(*wide, jnp.float32), rtol=1e-6, atol=1e-6)
-  jax.clear_caches()  # no trace made with this _COLS outlives the test
+  jax.clear_caches()  # no trace made with this _SPLIT outlives the test
 
 
 def test_gates_update_rejects_mismatched_shapes():
@@ -164,8 +166,8 @@ def test_decode_kernel_benchmark_script_prints_its_rows():
   rows = [line for line in out.splitlines() if line.startswith("| ") and "ms" not in line]
   names = [r.split(" | ")[1] for r in rows]
   assert names[:7] == [
-      "XLA", "XLA", "kernel, 32 rows x 4 warps, 32 columns, 1 stages",
-      "XLA's Conv1D, then the kernel, 32 rows x 4 warps, 32 columns, 1 stages", "XLA",
+      "XLA", "XLA", "kernel, 32 rows x 4 warps x 32 columns a program",
+      "XLA's Conv1D, then the kernel, 32 rows x 4 warps x 32 columns a program", "XLA",
       "kernel, tile 64x64, K 64, 4 warps, 2 stages", "XLA"], out
   # the greedy kernel's row, with the fraction of rows on which it picks XLA's token
   assert len(names) == 8 and names[7].startswith(

@@ -15,21 +15,24 @@ Why: XLA's step runs the gate kernel (``pallas_kernels.gates``, which writes bot
 logits), then the gate arithmetic and the update as passes of their own; this kernel reads
 ``x`` and the state once and writes ``y`` and the state once (12 bytes a channel a row).
 The Conv1D stays XLA's (one pass at its bytes floor, which also writes the token into the
-ring in place). On an H100 at Hawk 1.3B's shapes and 2048 rows: 0.062 ms a block against 0.073
-for XLA's passes with XLA's batched-matmul gates (``gate_impl=xla``), and Hawk's decoding step
-14.31-14.33 ms against 14.67 with the default XLA path (Triton gate kernel, then XLA's passes;
-docs/bench/decode_log.md, session 30). An earlier kernel that also did the Conv1D (written in
+ring in place). On an H100 at Hawk 1.3B's shapes and 2048 rows: 0.0605 ms a block against
+0.0776 for XLA's passes with XLA's batched-matmul gates (``gate_impl=xla``; session 32), and
+Hawk's decoding step 14.17-14.19 ms (session 32) against 14.67 with the default XLA path
+(Triton gate kernel, then XLA's passes; session 30; docs/bench/decode_log.md). An earlier kernel that also did the Conv1D (written in
 session 28, timed in session 29) held the Conv1D's pieces, both gates' accumulators and the
 state at once: 249 registers a thread, one program an SM, 0.16 ms a block.
 
-Each program takes ``_ROWS`` rows and one gate block (grid ``(B / _ROWS, H)``): it loads the
-block's ``x`` tile once, then walks the block's output columns ``_COLS`` at a time in a loop
-(a ``[rows, E/H] x [E/H, _COLS]`` dot per gate, the decay, the normalised input, the update),
-so that only one piece's accumulators are live (127 registers a thread at 64 rows and 4 warps;
-unrolled over the whole block: 255 and spills). Blocks whose size is not a multiple of
-``_COLS`` go in ``gates.block_diagonal.pieces``, unrolled. Arithmetic in float32, rounded to
-the compute dtype where the XLA step stores values in it (the gate logits, the normalised
-input).
+Each program takes ``_ROWS`` rows and ``_SPLIT`` output columns of one gate block (grid
+``(B / _ROWS, H, E / H / _SPLIT)``): a ``[rows, E/H] x [E/H, _SPLIT]`` dot per gate over the
+block's ``x`` tile, then the decay, the normalised input and the update for its columns. Only
+one split's accumulators are live, and the grid has ``E/H / _SPLIT`` times as many programs as
+one of whole blocks: at Hawk 1.3B's shapes and 2048 rows, 0.0605 ms a block against 0.079-0.082
+for programs of whole blocks walking 32 columns at a time in a loop (the kernel until session
+32: 127 registers a thread, 320 programs), and Hawk's decoding step 14.17-14.19 ms against
+14.55-14.59 (session 32, docs/bench/decode_log.md). Blocks whose size is no multiple of
+``_SPLIT`` (or is ``_SPLIT`` or less) are one program a block, their columns in
+``gates.block_diagonal.pieces``, unrolled. Arithmetic in float32, rounded to the compute dtype
+where the XLA step stores values in it (the gate logits, the normalised input).
 
 Triton lowering (``interpret=True``: Pallas' generic interpreter, used by the tests on the
 CPU). ``E/H`` must be a multiple of 16 (``supported``); ``B`` is padded inside.
@@ -47,20 +50,19 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.gates import block_diagonal as bd
 from pallas_kernels.rg_lru.reference import RG_LRU_C
 
-# Rows a program, warps, output columns a loop step and Triton's pipeline stages. On an H100 at
-# Hawk 1.3B's shapes (bench_decode_kernels.py, session 30), ms a block: 64 x 4 warps x 32
-# columns, 1 stage 0.0618 (3 stages 0.0649, 2 0.0706); 128 x 8, 1-2 stages 0.0612-0.0616; 64 x
-# 8 0.0878; 32 x 4 0.1025; 64 x 2 0.0691; the block's pieces unrolled 0.0923; XLA's passes with
-# its batched-matmul gates 0.0733.
+# Rows a program, warps and output columns a program (0: whole blocks). On an H100 at Hawk 1.3B's
+# shapes, 2048 rows (bench_decode_kernels.py, session 32), ms a block: 64 x 4 x 32 0.0605; 128 x
+# 8 0.0624-0.0629; 128 x 4 0.0649; 64 x 2 or 64 x 8 0.0720; 32 x 2 0.0674; 256 x 8 0.0753; whole
+# blocks in a loop of 32 columns (64 x 4) 0.079-0.082; XLA's passes with its batched-matmul gates
+# 0.0776.
 _ROWS = 64
 _WARPS = 4
-_COLS = 32  # 0: the block's pieces, unrolled (as for a block that is no multiple of it)
-_STAGES = 1
-# Fewer rows than this (a device's share) take XLA's step, which is faster there: on an H100,
-# Hawk 1.3B's decoding step at 16 / 128 / 512 rows 2.40 / 3.26 / 5.22 ms with the kernel
-# against 2.30 / 2.99 / 5.03 with XLA's, at 2048 rows 14.31-14.33 against 14.67 (session 30).
-# A grid of B / 64 x H programs leaves most SMs idle under 1024 rows.
-MIN_ROWS = 2048
+_SPLIT = 32
+# Fewer rows than this (a device's share) take XLA's step. On an H100 (session 32, alternated,
+# ms a step), Hawk 1.3B at 512 rows: 4.81 / 4.83 with the kernel against 4.90 / 4.84 with XLA's;
+# at 1024: 7.63 / 7.58 against 7.68 / 7.63; at 2048: 14.17-14.19 against 14.67 (session 30). The
+# programs of whole blocks (until session 32) were slower than XLA's step under 2048 rows.
+MIN_ROWS = 512
 
 
 def supported(width: int, num_blocks: int) -> bool:
@@ -73,8 +75,10 @@ def worthwhile(rows: int, width: int, num_blocks: int) -> bool:
   return rows >= MIN_ROWS and supported(width, num_blocks)
 
 
-def _kernel(seg_ref, x_ref, wx_ref, wa_ref, bx_ref, ba_ref, la_ref, h0_ref, y_ref, h_ref, *,
-            cols):
+def _kernel(seg_ref, x_ref, xc_ref, wx_ref, wa_ref, bx_ref, ba_ref, la_ref, h0_ref, y_ref,
+            h_ref):
+  """``x_ref``: the row tile's whole block (the dots' input); ``xc_ref`` and the refs after it:
+  the program's output columns (``_SPLIT`` of them, or the whole block)."""
   f32, dtype = jnp.float32, y_ref.dtype
   block = x_ref.shape[1]
   reset = seg_ref[...][:, None] == 0                                   # [R, 1]
@@ -89,20 +93,17 @@ def _kernel(seg_ref, x_ref, wx_ref, wa_ref, bx_ref, ba_ref, la_ref, h0_ref, y_re
     gate_a = jax.nn.sigmoid(logits(wa_ref, ba_ref))
     log_a = gate_a * la_ref[pl.ds(c, m)][None]  # la: -RG_LRU_C * softplus(a_param)
     multiplier = jnp.where(reset, 1.0, jnp.sqrt(1.0 - jnp.exp(2.0 * log_a)))
-    x_in = x_ref[:, pl.ds(c, m)].astype(f32)
+    x_in = xc_ref[:, pl.ds(c, m)].astype(f32)
     normalized = (x_in * gate_x * multiplier).astype(dtype).astype(f32)
     h = jnp.where(reset, 0.0, jnp.exp(log_a)) * h0_ref[:, pl.ds(c, m)] + normalized
     h_ref[:, pl.ds(c, m)] = h
     y_ref[:, pl.ds(c, m)] = h.astype(dtype)
 
-  if not cols or block % cols:
+  if h_ref.shape[1] != block:  # a split: this program's columns, in one piece
+    piece(0, h_ref.shape[1])
+  else:
     for c, m in bd.pieces(block):
       piece(c, m)
-  else:
-    def body(i, carry):
-      piece(pl.multiple_of(i * cols, cols), cols)
-      return carry
-    jax.lax.fori_loop(0, block // cols, body, 0)
 
 
 def reference(x, segment_pos, w_x, w_a, b_x, b_a, a_param, h0):
@@ -131,23 +132,27 @@ def gates_update(x, segment_pos, w_x, w_a, b_x, b_a, a_param, h0, *, interpret: 
   rows = -(-batch // tile_rows) * tile_rows
   pad = lambda a, value=0: jnp.pad(a, [(0, rows - batch)] + [(0, 0)] * (a.ndim - 1),
                                    constant_values=value)
-  tile = pl.BlockSpec((tile_rows, block), lambda r, k: (r, k))
-  weight = pl.BlockSpec((1, block, block), lambda r, k: (k, 0, 0))
-  bias = pl.BlockSpec((1, block), lambda r, k: (k, 0))
+  xp = pad(x)
+  split = _SPLIT if _SPLIT and block % _SPLIT == 0 and _SPLIT < block else block
+  parts = block // split  # programs a block and row tile
+  tile = pl.BlockSpec((tile_rows, block), lambda r, k, c: (r, k))
+  out = pl.BlockSpec((tile_rows, split), lambda r, k, c: (r, k * parts + c))
+  weight = pl.BlockSpec((1, block, split), lambda r, k, c: (k, 0, c))
+  bias = pl.BlockSpec((1, split), lambda r, k, c: (k, c))
   y, h = pl.pallas_call(
-      functools.partial(_kernel, cols=_COLS),
+      _kernel,
       name="pallas_recurrent_gates_update",
       out_shape=(jax.ShapeDtypeStruct((rows, width), x.dtype),
                  jax.ShapeDtypeStruct((rows, width), jnp.float32)),
-      grid=(rows // tile_rows, blocks),
-      in_specs=[pl.BlockSpec((tile_rows,), lambda r, k: (r,)), tile, weight, weight, bias, bias,
-                pl.BlockSpec((block,), lambda r, k: (k,)), tile],
-      out_specs=(tile, tile),
-      input_output_aliases={7: 1},  # h over h0: the state updated in place
+      grid=(rows // tile_rows, blocks, parts),
+      in_specs=[pl.BlockSpec((tile_rows,), lambda r, k, c: (r,)), tile, out, weight, weight,
+                bias, bias, pl.BlockSpec((split,), lambda r, k, c: (k * parts + c,)), out],
+      out_specs=(out, out),
+      input_output_aliases={8: 1},  # h over h0: the state updated in place
       compiler_params=None if interpret else plgpu.CompilerParams(num_warps=_WARPS,
-                                                                  num_stages=_STAGES),
+                                                                  num_stages=1),
       interpret=interpret,
-  )(pad(segment_pos.astype(jnp.int32), value=1), pad(x), w_x.astype(x.dtype),
+  )(pad(segment_pos.astype(jnp.int32), value=1), xp, xp, w_x.astype(x.dtype),
     w_a.astype(x.dtype), b_x, b_a, -RG_LRU_C * jax.nn.softplus(a_param.astype(jnp.float32)),
     pad(h0.astype(jnp.float32)))
   return y[:batch], h[:batch]

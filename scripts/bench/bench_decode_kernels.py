@@ -3,7 +3,7 @@ update; ``model.mlp_impl``: ``gated_up``) against XLA's step, alone, at one mode
 with their floors and tile variants.
 
   python scripts/bench/bench_decode_kernels.py [--batch 2048] [--width 2048]
-      [--lru_width 2560] [--gate_blocks 16] [--mlp 6144] [--step_tiles 64x4x32x1,...]
+      [--lru_width 2560] [--gate_blocks 16] [--mlp 6144] [--step_tiles 64x4x32,...]
       [--mlp_tiles 128x128x64x8x3,...] [--steps 50] [--iters 5] [--tiny]
 
 Each row times ``--steps`` steps in one ``fori_loop`` (the median of ``--iters`` loops), the
@@ -15,8 +15,7 @@ Rows (defaults: Hawk 1.3B's recurrent block at 2048 rows, bfloat16):
   XLA's path (``RecurrentBlock.rg_lru``: the Triton gate kernel, as ``gate_impl=auto`` on a
   GPU, then XLA's passes) against
   ``pallas_kernels.rg_lru.decode.gates_update`` with each ``--step_tiles`` entry (rows a
-  program x warps x output columns a loop step, 0 for the block's pieces unrolled x Triton
-  stages). Bytes floor: ``x`` and the float32 state read, ``y`` and the state written (12
+  program x warps x output columns a program, 0 for whole blocks). Bytes floor: ``x`` and the float32 state read, ``y`` and the state written (12
   bytes a channel a row) over the copy ceiling measured in the run.
 - the same with the Conv1D (XLA's, which also writes the ring in place) in front: XLA's
   path against ``RecurrentBlock.decode_step`` (``decode_impl=pallas``) with the same tiles.
@@ -62,9 +61,8 @@ def main():
   parser.add_argument("--lru_width", type=int, default=2560)
   parser.add_argument("--gate_blocks", type=int, default=16)
   parser.add_argument("--mlp", type=int, default=6144)
-  parser.add_argument("--step_tiles", default="64x4x32x1,128x8x32x2,64x4x32x3,64x8x0x1",
-                      help="rows x warps x output columns a loop step (0: the block's pieces, "
-                      "unrolled) x stages")
+  parser.add_argument("--step_tiles", default="64x4x32,128x8x32,32x2x32,64x4x0",
+                      help="rows x warps x output columns a program (0: whole blocks)")
   parser.add_argument("--mlp_tiles",
                       default="128x128x64x8x3,128x128x64x8x4,128x64x64x8x3,64x128x64x4x4")
   parser.add_argument("--vocab", type=int, default=256_000)
@@ -77,7 +75,7 @@ def main():
   args = parser.parse_args()
   if args.tiny:
     args.batch, args.width, args.lru_width, args.gate_blocks, args.mlp = 5, 64, 64, 2, 128
-    args.step_tiles, args.mlp_tiles, args.iters, args.steps = "32x4x32x1", "64x64x64x4x2", 1, 2
+    args.step_tiles, args.mlp_tiles, args.iters, args.steps = "32x4x32", "64x64x64x4x2", 1, 2
     args.vocab, args.greedy_tiles = 512, "16x256x64x4x2"
   only = set(args.only.split(","))
   b, d, e, m = args.batch, args.width, args.lru_width, args.mlp
@@ -169,11 +167,11 @@ def main():
     row("Conv1D + gates + RG-LRU update", "XLA",
         per_step(recurrent_body(xla_step), block, (x, cache)), step_floor)
     for tile in args.step_tiles.split(","):
-      rows, warps, cols, stages = map(int, tile.split("x"))
-      # pylint: disable=protected-access
-      decode._ROWS, decode._WARPS, decode._COLS, decode._STAGES = rows, warps, cols, stages
+      rows, warps, split = map(int, tile.split("x"))
+      decode._ROWS, decode._WARPS, decode._SPLIT = rows, warps, split  # pylint: disable=protected-access
       jax.clear_caches()
-      name = f"kernel, {rows} rows x {warps} warps, {cols or 'pieces of'} columns, {stages} stages"
+      name = (f"kernel, {rows} rows x {warps} warps x "
+              + (f"{split} columns a program" if split else "whole blocks"))
       try:
         row("gates + RG-LRU update", name,
             per_step(update_body(kernel_update), block, (x, cache.rg_lru_state)), update_floor)
