@@ -142,15 +142,17 @@ def test_griffin_with_the_gate_kernel_equals_the_xla_gates(lru_width):
 
 
 def test_gpu_kernel_check_script_passes_every_kernel_and_flags_a_wrong_one(monkeypatch, capsys):
-  """scripts/bench/check_gpu_kernels.py on its tiny shapes (interpreted on the CPU): every
-  kernel row passes against float64; a kernel made wrong is reported FAILED, exit status 1."""
+  """scripts/bench/check_gpu_kernels.py on its tiny shapes (interpreted on the CPU), float32
+  (each kernel's own tests cover bfloat16): every kernel row passes against float64; a kernel
+  made wrong is reported FAILED, exit status 1."""
   from test_errors import load_script
   check = load_script("bench/check_gpu_kernels")
-  monkeypatch.setattr("sys.argv", ["check_gpu_kernels.py", "--tiny"])
+  monkeypatch.setattr("sys.argv", ["check_gpu_kernels.py", "--tiny", "--dtypes=float32"])
   with pytest.raises(SystemExit) as exit_:
     check.main()
   rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
-  assert exit_.value.code == 0 and len(rows) == 28, rows
+  assert exit_.value.code == 0 and len(rows) == 14, rows
+  assert all("| float32 |" in row for row in rows), rows
   assert all("| ok |" in row for row in rows), rows
 
   wrong = lambda x, w, b: block_diagonal.block_diagonal_matmul(x, w, b, interpret=True) * 1.01

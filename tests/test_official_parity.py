@@ -21,20 +21,24 @@ def official_model_and_params(block_types, seed):
       block_types=tuple(block_types), embeddings_scale_by_sqrt_dim=True,
       attention_window_size=5, logits_soft_cap=30.0, scan_type=rg.ScanType.LINEAR_NATIVE)
   model = rg.Griffin(config, param_dtype=jnp.float32, dtype=jnp.float32)
-  tokens = jnp.zeros((1, 4), jnp.int32)
-  params = model.init(jax.random.PRNGKey(seed), tokens, jnp.arange(4)[None],
-                      return_cache=False)["params"]
-  # Move every parameter away from its initial value (norm scales and biases start at 0).
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
-  leaves = [x + 0.2 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-  return model, jax.tree.unflatten(treedef, leaves)
+
+  @jax.jit  # one compile; run eagerly, the official init compiles each of its operations
+  def init(key, perturb_key):
+    params = model.init(key, jnp.zeros((1, 4), jnp.int32), jnp.arange(4)[None],
+                        return_cache=False)["params"]
+    # Move every parameter away from its initial value (norm scales and biases start at 0).
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(perturb_key, len(leaves))
+    leaves = [x + 0.2 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    return jax.tree.unflatten(treedef, leaves)
+
+  return model, init(jax.random.PRNGKey(seed), jax.random.PRNGKey(seed + 1))
 
 
 def official_logits(model, params, tokens):
   segment_pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-  logits, _ = model.apply({"params": params}, tokens, segment_pos, return_cache=False)
-  return logits
+  apply = jax.jit(lambda p, t, s: model.apply({"params": p}, t, s, return_cache=False)[0])
+  return apply(params, tokens, segment_pos)
 
 
 def _official_nll(model, params, tokens):
