@@ -12,27 +12,28 @@ with
   over ``h0``'s buffer).
 
 Why: XLA's step runs the gate kernel (``pallas_kernels.gates``, which writes both gates'
-logits), then the gate arithmetic and the update as passes of their own; this kernel reads
-``x`` and the state once and writes ``y`` and the state once (12 bytes a channel a row).
-The Conv1D stays XLA's (one pass at its bytes floor, which also writes the token into the
-ring in place). On an H100 at Hawk 1.3B's shapes and 2048 rows: 0.0605 ms a block against
-0.0776 for XLA's passes with XLA's batched-matmul gates (``gate_impl=xla``; session 32), and
-Hawk's decoding step 14.17-14.19 ms (session 32) against 14.67 with the default XLA path
-(Triton gate kernel, then XLA's passes; session 30; docs/bench/decode_log.md). An earlier kernel that also did the Conv1D (written in
-session 28, timed in session 29) held the Conv1D's pieces, both gates' accumulators and the
-state at once: 249 registers a thread, one program an SM, 0.16 ms a block.
+logits), then the gate arithmetic and the update as passes of their own; this kernel reads ``x``
+and the state once and writes ``y`` and the state once (12 bytes a channel a row). The Conv1D
+stays XLA's (one pass at its bytes floor, which also writes the token into the ring in place).
+On an H100 at Hawk 1.3B's shapes and 2048 rows: 0.0544-0.0576 ms a block against 0.0776-0.0860
+for XLA's passes with XLA's batched-matmul gates (``gate_impl=xla``), and Hawk's decoding step
+14.02-14.19 ms (session 32) against 14.67 with the default XLA path (Triton gate kernel, then
+XLA's passes; session 30; docs/bench/decode_log.md). An earlier kernel that also did the Conv1D
+(written in session 28, timed in session 29) held the Conv1D's pieces, both gates' accumulators
+and the state at once: 249 registers a thread, one program an SM, 0.16 ms a block.
 
 Each program takes ``_ROWS`` rows and ``_SPLIT`` output columns of one gate block (grid
-``(E / H / _SPLIT, H, B / _ROWS)``, the first axis fastest): a ``[rows, E/H] x [E/H, _SPLIT]`` dot per gate over the
-block's ``x`` tile, then the decay, the normalised input and the update for its columns. Only
-one split's accumulators are live, and the grid has ``E/H / _SPLIT`` times as many programs as
-one of whole blocks: at Hawk 1.3B's shapes and 2048 rows, 0.0605 ms a block against 0.079-0.082
-for programs of whole blocks walking 32 columns at a time in a loop (the kernel until session
-32: 127 registers a thread, 320 programs), and Hawk's decoding step 14.17-14.19 ms against
-14.55-14.59 (session 32, docs/bench/decode_log.md). Blocks whose size is no multiple of
-``_SPLIT`` (or is ``_SPLIT`` or less) are one program a block, their columns in
-``gates.block_diagonal.pieces``, unrolled. Arithmetic in float32, rounded to the compute dtype
-where the XLA step stores values in it (the gate logits, the normalised input).
+``(E/H/_SPLIT, H, B/_ROWS)``, the first axis fastest): a ``[rows, E/H] x [E/H, _SPLIT]`` dot per
+gate over the block's ``x`` tile, then the decay, the normalised input and the update for its
+columns. Only one split's accumulators are live, and the grid has ``E/H / _SPLIT`` times as many
+programs as one of whole blocks: at Hawk 1.3B's shapes and 2048 rows, 0.0605 ms a block (with
+the row tiles first in the grid) against 0.079-0.082 for programs of whole blocks walking 32
+columns at a time in a loop (the kernel until session 32: 127 registers a thread, 320 programs),
+and Hawk's decoding step 14.17-14.19 ms against 14.55-14.59 (session 32,
+docs/bench/decode_log.md). Blocks whose size is no multiple of ``_SPLIT`` (or is ``_SPLIT`` or
+less) are one program a block, their columns in ``gates.block_diagonal.pieces``, unrolled.
+Arithmetic in float32, rounded to the compute dtype where the XLA step stores values in it (the
+gate logits, the normalised input).
 
 Triton lowering (``interpret=True``: Pallas' generic interpreter, used by the tests on the
 CPU). ``E/H`` must be a multiple of 16 (``supported``); ``B`` is padded inside.
@@ -51,10 +52,10 @@ from pallas_kernels.gates import block_diagonal as bd
 from pallas_kernels.rg_lru.reference import RG_LRU_C
 
 # Rows a program, warps and output columns a program (0: whole blocks). On an H100 at Hawk 1.3B's
-# shapes, 2048 rows (bench_decode_kernels.py, session 32), ms a block: 64 x 4 x 32 0.0605; 128 x
-# 8 0.0624-0.0629; 128 x 4 0.0649; 64 x 2 or 64 x 8 0.0720; 32 x 2 0.0674; 256 x 8 0.0753; whole
-# blocks in a loop of 32 columns (64 x 4) 0.079-0.082; XLA's passes with its batched-matmul gates
-# 0.0776.
+# shapes, 2048 rows (bench_decode_kernels.py, session 32, with the row tiles first in the grid),
+# ms a block: 64 x 4 x 32 0.0605; 128 x 8 0.0624-0.0629; 128 x 4 0.0649; 64 x 2 or 64 x 8 0.0720;
+# 32 x 2 0.0674; 256 x 8 0.0753; whole blocks in a loop of 32 columns (64 x 4) 0.079-0.082;
+# XLA's passes with its batched-matmul gates 0.0776. The columns first: 64 x 4 x 32 0.0544-0.0576.
 _ROWS = 64
 _WARPS = 4
 _SPLIT = 32
@@ -138,7 +139,8 @@ def gates_update(x, segment_pos, w_x, w_a, b_x, b_a, a_param, h0, *, interpret: 
   # The grid's first axis is CUDA's fastest: programs launched together take one row tile's
   # neighbouring columns, so that their state reads and writes fill whole rows of memory. On an
   # H100 at Hawk 1.3B's shapes: 0.0544-0.0558 ms a block against 0.0601-0.0709 with the row
-  # tiles fastest; in the decoding step no difference measured (session 32).
+  # tiles fastest (a probe of the grid orders); in the decoding step no difference measured
+  # (session 32).
   tile = pl.BlockSpec((tile_rows, block), lambda c, k, r: (r, k))
   out = pl.BlockSpec((tile_rows, split), lambda c, k, r: (r, k * parts + c))
   weight = pl.BlockSpec((1, block, split), lambda c, k, r: (k, 0, c))

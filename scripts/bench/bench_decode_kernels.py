@@ -11,12 +11,12 @@ step's output feeding the next step's input: device time per step, as inside the
 
 Rows (defaults: Hawk 1.3B's recurrent block at 2048 rows, bfloat16):
 
-- the recurrent block's gates and RG-LRU update for one token, from the Conv1D's output:
-  XLA's path (``RecurrentBlock.rg_lru``: the Triton gate kernel, as ``gate_impl=auto`` on a
-  GPU, then XLA's passes) against
-  ``pallas_kernels.rg_lru.decode.gates_update`` with each ``--step_tiles`` entry (rows a
-  program x warps x output columns a program, 0 for whole blocks). Bytes floor: ``x`` and the float32 state read, ``y`` and the state written (12
-  bytes a channel a row) over the copy ceiling measured in the run.
+- the recurrent block's gates and RG-LRU update for one token, from the Conv1D's output: XLA's
+  path (``RecurrentBlock.rg_lru``: the Triton gate kernel, as ``gate_impl=auto`` on a GPU, then
+  XLA's passes) against ``pallas_kernels.rg_lru.decode.gates_update`` with each ``--step_tiles``
+  entry (rows a program x warps x output columns a program, 0 for whole blocks). Bytes floor:
+  ``x`` and the float32 state read, ``y`` and the state written (12 bytes a channel a row) over
+  the copy ceiling measured in the run.
 - the same with the Conv1D (XLA's, which also writes the ring in place) in front: XLA's
   path against ``RecurrentBlock.decode_step`` (``decode_impl=pallas``) with the same tiles.
   Bytes floor: also the ring's slots read and one written (20 bytes a channel a row).
@@ -168,7 +168,8 @@ def main():
         per_step(recurrent_body(xla_step), block, (x, cache)), step_floor)
     for tile in args.step_tiles.split(","):
       rows, warps, split = map(int, tile.split("x"))
-      decode._ROWS, decode._WARPS, decode._SPLIT = rows, warps, split  # pylint: disable=protected-access
+      # pylint: disable=protected-access
+      decode._ROWS, decode._WARPS, decode._SPLIT = rows, warps, split
       jax.clear_caches()
       name = (f"kernel, {rows} rows x {warps} warps x "
               + (f"{split} columns a program" if split else "whole blocks"))
