@@ -221,7 +221,7 @@ class ModelConfig:
     """``pallas``: a recurrent block's one-token step after its Conv1D (both gates and the
     RG-LRU update) as one Triton kernel, ``pallas_kernels.rg_lru.decode`` (interpreted on a
     CPU; a TPU takes XLA's), where XLA runs the gate kernel and then passes of its own, from
-    ``decode.MIN_ROWS`` (512) rows a device. ``auto``: on GPUs (on an H100 at Hawk 1.3B's
+    ``decode.MIN_ROWS`` (16) rows a device. ``auto``: on GPUs (on an H100 at Hawk 1.3B's
     2048 rows: the decoding step 14.17-14.19 ms against 14.55-14.59 with the kernel's earlier
     tiles (session 32) and 14.67 with XLA's step (session 30); Griffin's 17.20-17.25 against
     17.42-17.44 with the earlier tiles; docs/bench/decode_log.md). Also greedy decoding's

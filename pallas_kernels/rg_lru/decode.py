@@ -59,11 +59,13 @@ from pallas_kernels.rg_lru.reference import RG_LRU_C
 _ROWS = 64
 _WARPS = 4
 _SPLIT = 32
-# Fewer rows than this (a device's share) take XLA's step. On an H100 (session 32, alternated,
-# ms a step), Hawk 1.3B at 512 rows: 4.81 / 4.83 with the kernel against 4.90 / 4.84 with XLA's;
-# at 1024: 7.63 / 7.58 against 7.68 / 7.63; at 2048: 14.17-14.19 against 14.67 (session 30). The
-# programs of whole blocks (until session 32) were slower than XLA's step under 2048 rows.
-MIN_ROWS = 512
+# Fewer rows than this (a device's share) take XLA's step; 16 is the fewest timed. On an H100
+# (session 32, alternated, ms a step), Hawk 1.3B at 16 rows: 1.99 / 2.01 with the kernel against
+# 2.21 / 2.20 with XLA's; at 128: 2.63 / 2.67 against 2.80 / 2.82; at 512: 4.81 / 4.83 against
+# 4.90 / 4.84; at 1024: 7.63 / 7.58 against 7.68 / 7.63; Griffin 1.3B at 128 rows 2.90 / 2.90
+# against 3.00 / 3.02, at 1024 9.24 / 9.23 against 9.22 / 9.27. The programs of whole blocks
+# (until session 32) were slower than XLA's step under 2048 rows.
+MIN_ROWS = 16
 
 
 def supported(width: int, num_blocks: int) -> bool:
