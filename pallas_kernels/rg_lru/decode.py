@@ -102,11 +102,8 @@ def _kernel(seg_ref, x_ref, xc_ref, wx_ref, wa_ref, bx_ref, ba_ref, la_ref, h0_r
     h_ref[:, pl.ds(c, m)] = h
     y_ref[:, pl.ds(c, m)] = h.astype(dtype)
 
-  if h_ref.shape[1] != block:  # a split: this program's columns, in one piece
-    piece(0, h_ref.shape[1])
-  else:
-    for c, m in bd.pieces(block):
-      piece(c, m)
+  for c, m in bd.pieces(h_ref.shape[1]):  # the program's columns (a split is one piece)
+    piece(c, m)
 
 
 def reference(x, segment_pos, w_x, w_a, b_x, b_a, a_param, h0):
