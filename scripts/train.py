@@ -50,6 +50,10 @@ def main(argv: list[str]) -> None:
     from recurrentgemma_jax import train  # pylint: disable=g-import-not-at-top
     try:
       train.run(config, flags["workdir"])
+      # The run is over and saved; the process only exits now. Python's finalisation puts a
+      # handled signal back to its default (killed: -15) before JAX's teardown, which can take a
+      # while; an ignored one stays ignored, so a late SIGTERM still ends in exit 0.
+      signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except train.NonFiniteLoss as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(3)

@@ -289,6 +289,31 @@ def test_sigterm_while_starting_exits_zero_with_one_line_and_no_checkpoint(tmp_p
   assert not saved_steps(tmp_path)
 
 
+# A training process whose interpreter teardown takes seconds, as JAX's can on a loaded machine:
+# an object of the __main__ module, destroyed after Python has reset its signal handlers.
+_SLOW_TEARDOWN = """
+import os, runpy, sys, time
+class SlowTeardown:
+  def __del__(self):
+    os.write(1, b"tearing down\\n")
+    time.sleep(5)
+keep = SlowTeardown()
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_sigterm_after_the_run_ended_still_exits_zero(tmp_path, compile_cache):
+  # CI once saw -15: the signal came after "done", in the interpreter's teardown.
+  cmd = train_cmd(tmp_path, "--config.total_steps=2", "--config.eval_every=0")
+  run = Started([sys.executable, "-c", _SLOW_TEARDOWN, *cmd[1:]], env(compile_cache))
+  assert run.wait_for("tearing down"), run.output()[-3000:]
+  run.proc.send_signal(signal.SIGTERM)
+  output = run.output()
+  assert "done: step 2" in output, output[-3000:]
+  assert run.proc.returncode == 0, output[-3000:]
+
+
 # --- fault injection ----------------------------------------------------------------------------
 
 FAULT_STEPS = ["--config.total_steps=48", "--config.log_every=1", "--config.checkpoint_every=3",
