@@ -12,6 +12,15 @@ from recurrentgemma_jax import sampling
 from test_model import perturbed, tiny_config
 
 
+def full_logits(model, rows):
+  """The full forward's logits of each token list, in one jitted call: the rows right-padded
+  with id 0 (the model is causal, so the padding changes no earlier logit)."""
+  length = max(map(len, rows))
+  tokens = jnp.asarray([list(r) + [0] * (length - len(r)) for r in rows], jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(length), tokens.shape)
+  return np.asarray(nnx.jit(lambda m: m(tokens, positions))(model))
+
+
 @pytest.mark.parametrize("family,scan_layers", [("griffin", True), ("hawk", True), ("mqa", True),
                                                 ("gla", True), ("griffin", False)])
 def test_cached_sampling_logits_equal_the_full_forward(family, scan_layers):
@@ -24,10 +33,9 @@ def test_cached_sampling_logits_equal_the_full_forward(family, scan_layers):
   params = sampling.SamplingParams(max_new_tokens=6)
   out = sampling.sample(model, prompts, params, return_logits=True)
   assert out.tokens.shape == (3, 6) and out.logits.shape == (3, 6, 53)
+  full = full_logits(model, [np.concatenate([p, t]) for p, t in zip(prompts, out.tokens)])
   for row, prompt in enumerate(prompts):
-    full = np.concatenate([prompt, out.tokens[row]])
-    logits = model(jnp.asarray(full)[None], jnp.arange(len(full))[None])[0]
-    expected = logits[len(prompt) - 1: len(prompt) - 1 + 6]
+    expected = full[row, len(prompt) - 1: len(prompt) - 1 + 6]
     np.testing.assert_allclose(out.logits[row], expected, atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(out.tokens[row], np.argmax(expected, axis=-1))
 
@@ -43,11 +51,12 @@ def test_extend_in_chunks_equals_the_full_forward(family):
   tokens = jnp.asarray(rng.integers(0, 53, (2, 17)), jnp.int32)
   # row 0: documents of 6, 1 and 10 tokens; row 1: one of 17
   segment_pos = jnp.asarray([list(range(6)) + [0] + list(range(10)), list(range(17))])
-  full = model(tokens, segment_pos)
+  full = nnx.jit(lambda m: m(tokens, segment_pos))(model)
+  extend = nnx.jit(lambda m, t, p, c: m.extend(t, p, c))  # one compile a chunk size
   cache, start, logits = model.init_cache(2, 17), 0, []
   for size in (3, 1, 5, 1, 1, 2, 4):
-    out, cache = model.extend(tokens[:, start:start + size], segment_pos[:, start:start + size],
-                              cache)
+    out, cache = extend(model, tokens[:, start:start + size], segment_pos[:, start:start + size],
+                        cache)
     logits.append(out)
     start += size
   np.testing.assert_allclose(jnp.concatenate(logits, axis=1), full, atol=1e-5, rtol=1e-5)
@@ -287,7 +296,7 @@ def test_gpu_decode_kernel_gives_the_full_forward_logits(family):
   model = perturbed(model_lib.init_model(cfg, seed=3), seed=4, scale=0.1)
   rng = np.random.default_rng(6)
   prompts = [list(rng.integers(0, 53, n)) for n in (7, 2, 4)]
-  reference = [model(jnp.asarray(p)[None], jnp.arange(len(p))[None])[0] for p in prompts]
+  reference = full_logits(model, prompts)
   attention = [b.temporal for b in model.blocks if hasattr(b.temporal, "window")]
   assert attention
   for module in attention:
@@ -300,12 +309,13 @@ def test_gpu_decode_kernel_gives_the_full_forward_logits(family):
                         return_logits=True)
   for module in attention:
     module.impl = "xla"
+  full = full_logits(model, [np.concatenate([p, t]) for p, t in zip(prompts, out.tokens)])
   for row, prompt in enumerate(prompts):
-    full = np.concatenate([prompt, out.tokens[row]])
-    logits = model(jnp.asarray(full)[None], jnp.arange(len(full))[None])[0]
+    logits = full[row]
     np.testing.assert_allclose(out.logits[row], logits[len(prompt) - 1: len(prompt) + 4],
                                atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(reference[row][-1], logits[len(prompt) - 1], atol=1e-6)
+    np.testing.assert_allclose(reference[row, len(prompt) - 1], logits[len(prompt) - 1],
+                               atol=1e-6)
 
 
 def test_decode_profile_script_times_steps_from_filled_caches(tmp_path):
