@@ -1,8 +1,11 @@
-"""What every entry point shares: one-line errors instead of tracebacks, flag parsing."""
+"""What every entry point shares: one-line errors instead of tracebacks, flag parsing, and
+the CPU without libtpu's start-up attempt on a machine that has no accelerator."""
 
 from __future__ import annotations
 
 import contextlib
+import glob
+import importlib.util
 import logging
 import os
 import sys
@@ -13,6 +16,45 @@ from absl import logging as absl_logging
 from recurrentgemma_jax.errors import CheckpointError, ConfigError, first_line
 
 USER_ERRORS = (ConfigError, CheckpointError)
+
+# Device nodes of the accelerators JAX runs on: NVIDIA (and WSL's), AMD, TPUs (v4: accel; v5e
+# and later: vfio).
+_ACCELERATOR_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg", "/dev/kfd", "/dev/accel*",
+                      "/dev/vfio")
+_GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips (and some of Google's other devices)
+
+
+def accelerator_present() -> bool:
+  """Whether this machine may have an accelerator: any of its device nodes, or a PCI device of
+  Google's (a TPU). Errs towards yes."""
+  if any(glob.glob(node) for node in _ACCELERATOR_NODES):
+    return True
+  for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+    try:
+      with open(vendor) as f:
+        if f.read().strip() == _GOOGLE_PCI_VENDOR:
+          return True
+    except OSError:
+      continue
+  return False
+
+
+def cpu_without_accelerators() -> None:
+  """On a machine without an accelerator where libtpu is installed (``.[tpu]``, ``.[test]``:
+  the TPU compile), JAX still tries libtpu's TPU backend at start-up, and libtpu prints five
+  lines of missing-metadata errors before JAX falls back to the CPU. There, the entry points
+  choose the CPU up front (``JAX_PLATFORMS=cpu``); an explicit ``JAX_PLATFORMS`` or
+  ``JAX_FORCE_TPU_INIT``, and any machine with an accelerator, are left alone."""
+  if os.environ.get("JAX_PLATFORMS") or "JAX_FORCE_TPU_INIT" in os.environ:
+    return
+  if importlib.util.find_spec("libtpu") is None or accelerator_present():
+    return
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  if "jax" in sys.modules:  # imported before this module: its config has read the variable
+    sys.modules["jax"].config.update("jax_platforms", "cpu")
+
+
+cpu_without_accelerators()  # (on import: every entry point imports this module first)
 
 
 @contextlib.contextmanager

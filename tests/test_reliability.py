@@ -245,6 +245,22 @@ def test_exits_are_quiet(tmp_path, compile_cache):
   assert not any(n in output for n in NOISE), output[-3000:]
 
 
+def test_a_cpu_run_where_libtpu_is_installed_prints_nothing_of_it(tmp_path, compile_cache):
+  # The test extras install libtpu (the TPU compile); on a machine without an accelerator a run
+  # that leaves JAX_PLATFORMS unset, as a user's does, must not start with libtpu's errors.
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  from recurrentgemma_jax import cli  # pylint: disable=g-import-not-at-top
+  if cli.accelerator_present():
+    pytest.skip("this machine has an accelerator: the platforms are JAX's choice there")
+  assert importlib.util.find_spec("libtpu") is not None  # (installed by the test extras)
+  e = {k: v for k, v in env(compile_cache).items() if k != "JAX_PLATFORMS"}
+  done = subprocess.run(train_cmd(tmp_path, "--config.total_steps=1", "--config.eval_every=0"),
+                        env=e, cwd=ROOT, text=True, capture_output=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "TPU" not in done.stderr and "libtpu" not in done.stderr, done.stderr[-3000:]
+  assert "on 1 cpu" in done.stdout, done.stdout[-3000:]
+
+
 # --- preemption across processes ----------------------------------------------------------------
 
 def _free_port():
