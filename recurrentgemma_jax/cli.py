@@ -49,9 +49,8 @@ def cpu_without_accelerators() -> None:
     return
   if importlib.util.find_spec("libtpu") is None or accelerator_present():
     return
+  # Read when jax is imported, which every entry point does after importing this module.
   os.environ["JAX_PLATFORMS"] = "cpu"
-  if "jax" in sys.modules:  # imported before this module: its config has read the variable
-    sys.modules["jax"].config.update("jax_platforms", "cpu")
 
 
 cpu_without_accelerators()  # (on import: every entry point imports this module first)
