@@ -16,8 +16,10 @@ its step and exits; rerun to continue). Then each latest checkpoint is evaluated
 (the table), ``DIR/synthetic.json``, ``DIR/learning.png`` (held-out answer accuracy against
 training step, Fig. 6(a)) and ``DIR/lengths.png`` (accuracy against evaluation length,
 Fig. 6(b)). ``--every_checkpoint`` also evaluates each kept checkpoint at every length (how
-accuracy beyond the training length moves during training). ``--tiny`` (a CPU check of the
-script): few steps, short rows.
+accuracy beyond the training length moves during training). For Induction Heads the table also
+breaks the accuracy at the training length down by the distance between the two markers and by
+the answer's symbol (which rows a partly learned model gets right). ``--tiny`` (a CPU check of
+the script): few steps, short rows.
 
   python scripts/synthetic.py --out DIR --merge DIR1,DIR2,...
 
@@ -129,6 +131,45 @@ def accuracy_at_lengths(task, model, workdir, lengths, args):
   return out
 
 
+def induction_breakdown(model, workdir, length, args, buckets=4):
+  """Induction Heads at ``length``: which held-out rows a partly learned model gets right.
+  ``{"by_distance": [[lo, hi, rows, accuracy], ...], "by_answer": [[symbol, rows, accuracy],
+  ...]}``: the answer accuracy by the distance from the first marker to the final one, in
+  ``buckets`` equal ranges, and by the answer's symbol."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from recurrentgemma_jax import checkpoint, configlib, data  # pylint: disable=g-import-not-at-top
+  from recurrentgemma_jax.data import synthetic as tasks  # pylint: disable=g-import-not-at-top
+  config = configlib.load(os.path.join(ROOT, "configs", "synthetic.py") + ":induction_heads")
+  configlib.override(config, train_overrides("induction_heads", model, args))
+  config.batch_size = max(1, min(args.eval_rows, 32, 32 * 1024 // length))
+  config.data.eval_tokens = args.eval_rows * length
+  config.data.synthetic.eval_seq_len = length
+  graphdef, state = nnx.split(checkpoint.load_model(workdir)[0])
+  answer = jax.jit(lambda state, inputs, pos: jnp.argmax(
+      nnx.merge(graphdef, state)(inputs, pos)[:, -1], axis=-1))
+  distances, hits, answers = [], [], []
+  for batch in data.make_eval_batches(config):
+    real = batch["loss_mask"][:, -1] > 0  # the padding rows of the last batch score nothing
+    inputs = batch["inputs"][real]
+    distances.append(length - 1 - np.argmax(inputs == tasks.MARKER, axis=1))
+    answers.append(batch["targets"][real, -1] - tasks.FIRST_SYMBOL)
+    hits.append(np.asarray(answer(state, jnp.asarray(batch["inputs"]),
+                                  jnp.asarray(batch["segment_pos"])))[real]
+                == batch["targets"][real, -1])
+  distances, hits, answers = map(np.concatenate, (distances, hits, answers))
+  mean = lambda rows: float(hits[rows].mean()) if rows.any() else float("nan")
+  edges = np.linspace(1, length - 1, buckets + 1).round().astype(int)
+  by_distance = [[int(lo), int(hi), int(((distances >= lo) & (distances <= hi)).sum()),
+                  mean((distances >= lo) & (distances <= hi))]
+                 for lo, hi in zip(edges[:-1] + 1, edges[1:])]
+  by_answer = [[k, int((answers == k).sum()), mean(answers == k)]
+               for k in range(config.data.synthetic.vocab_size)]
+  return {"by_distance": by_distance, "by_answer": by_answer}
+
+
 def learning_curve(workdir):
   """``(last trained step, [(step, held-out answer accuracy), ...])``."""
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
@@ -137,9 +178,10 @@ def learning_curve(workdir):
   return last, [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
 
 
-def write_report(out, results, steps_done, curves, lengths, args, failed, by_step):
+def write_report(out, results, steps_done, curves, lengths, args, failed, by_step, breakdown):
   """Writes the table (returned), the JSON and both plots; runs not evaluated yet read "-".
-  ``by_step``: {(task, model): {step: {length: accuracy}}} of ``--every_checkpoint``."""
+  ``by_step``: {(task, model): {step: {length: accuracy}}} of ``--every_checkpoint``;
+  ``breakdown``: {(task, model): induction_breakdown(...)}."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -157,6 +199,16 @@ def write_report(out, results, steps_done, curves, lengths, args, failed, by_ste
                ["failed" if (task, model) in failed else "-"] * len(lens))
       lines.append(f"| {model} | {steps} | " + " | ".join(cells) + " |")
     lines.append("")
+  for (task, model), parts in breakdown.items():
+    near, symbols = parts["by_distance"], parts["by_answer"]
+    lines += [f"**{task} / {model}, accuracy at L={lengths[task][0]} by the distance between "
+              "the markers, and by the answer's symbol** (rows in brackets)", "",
+              "| " + " | ".join(f"{lo}-{hi}" for lo, hi, _, _ in near) + " |",
+              "|" + "---|" * len(near),
+              "| " + " | ".join(f"{acc:.3f} ({n})" for _, _, n, acc in near) + " |", "",
+              "| " + " | ".join(f"s{k}" for k, _, _ in symbols) + " |",
+              "|" + "---|" * len(symbols),
+              "| " + " | ".join(f"{acc:.2f} ({n})" for _, n, acc in symbols) + " |", ""]
   for (task, model), steps in by_step.items():
     lens = lengths[task]
     lines += [f"**{task} / {model}, every kept checkpoint**", "",
@@ -171,6 +223,7 @@ def write_report(out, results, steps_done, curves, lengths, args, failed, by_ste
   with open(os.path.join(out, "synthetic.json"), "w") as f:
     json.dump({f"{t}/{m}": {"accuracy": {str(k): v for k, v in acc.items()},
                             "curve": curves.get((t, m), []),
+                            **breakdown.get((t, m), {}),
                             **({"by_step": {str(s): {str(k): v for k, v in a.items()}
                                             for s, a in by_step[(t, m)].items()}}
                                if (t, m) in by_step else {})}
@@ -318,9 +371,9 @@ def main():
 
   runs = [(t, m, os.path.join(args.out, t, m)) for t in args.tasks for m in args.models]
   failed = [] if args.skip_training else train_all(runs, args)
-  results, steps_done, curves, by_step = {}, {}, {}, {}
+  results, steps_done, curves, by_step, breakdown = {}, {}, {}, {}, {}
   report = lambda: write_report(args.out, results, steps_done, curves, lengths, args, failed,
-                                by_step)
+                                by_step, breakdown)
   # Rewritten after every evaluated run, so that a run cut short keeps what it has measured.
   table = report()
   for task, model, workdir in runs:
@@ -331,6 +384,8 @@ def main():
     print(f"{task} / {model}: " + ", ".join(f"L={n} {a:.3f}"
                                              for n, a in results[(task, model)].items()),
           flush=True)
+    if task == "induction_heads":
+      breakdown[(task, model)] = induction_breakdown(model, workdir, lengths[task][0], args)
     if args.every_checkpoint:
       from recurrentgemma_jax import checkpoint  # pylint: disable=g-import-not-at-top
       table = report()  # the latest checkpoint's figures, before the slower pass over all

@@ -198,8 +198,21 @@ def test_synthetic_experiment_script_trains_evaluates_beyond_training_length(tmp
     assert list(result["accuracy"]) == ["32", "64", "128"]  # training length, then 2x and 4x
     assert all(0.0 <= a <= 1.0 for a in result["accuracy"].values())
     assert result["curve"][-1][0] == 4  # held-out accuracy logged at the last step
+    # Accuracy by the distance between the markers: every held-out row in one bucket, and the
+    # buckets' rows-weighted mean is the accuracy at the training length.
+    buckets = result["by_distance"]
+    assert [(lo, hi) for lo, hi, _, _ in buckets] == [(2, 8), (9, 16), (17, 24), (25, 31)]
+    assert sum(n for _, _, n, _ in buckets) == 16
+    np.testing.assert_allclose(sum(n * a for _, _, n, a in buckets if n) / 16,
+                               result["accuracy"]["32"], rtol=1e-6)
+    symbols = result["by_answer"]  # the same by the answer's symbol
+    assert [k for k, _, _ in symbols] == list(range(16))
+    assert sum(n for _, n, _ in symbols) == 16
+    np.testing.assert_allclose(sum(n * a for _, n, a in symbols if n) / 16,
+                               result["accuracy"]["32"], rtol=1e-6)
   table = (tmp_path / "synthetic.md").read_text()
   assert "| hawk | 4 |" in table and "| mqa | 4 |" in table
+  assert "induction_heads / mqa, accuracy at L=32 by the distance between the markers" in table
   assert (tmp_path / "lengths.png").stat().st_size and (tmp_path / "learning.png").stat().st_size
   # Re-evaluating the saved checkpoints gives the same numbers (the eval rows are fixed).
   run_script("synthetic.py", *args, "--skip_training")
