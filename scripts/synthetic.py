@@ -113,13 +113,14 @@ def train_all(runs, args):
 
 
 def accuracy_at_lengths(task, model, workdir, lengths, args):
-  """{length: held-out answer accuracy} of the model saved in ``workdir`` (a training workdir:
-  its latest checkpoint; or one step's checkpoint directory)."""
+  """``({length: held-out answer accuracy}, breakdown)`` of the model saved in ``workdir`` (a
+  training workdir: its latest checkpoint; or one step's checkpoint directory). ``breakdown``:
+  for Induction Heads, ``induction_breakdown`` at the first length (else None)."""
   from recurrentgemma_jax import checkpoint, configlib, data, evaluation  # pylint: disable=g-import-not-at-top
   config = configlib.load(os.path.join(ROOT, "configs", "synthetic.py") + f":{task}")
   configlib.override(config, train_overrides(task, model, args))
   net, _ = checkpoint.load_model(workdir)
-  out = {}
+  out, breakdown = {}, None
   for length in lengths:
     # Fewer rows per batch for long rows: global attention's T x T scores (XLA path, float32)
     # of 32 rows at 4096 tokens took 16 GiB and ran out of memory on a shared GPU.
@@ -127,47 +128,48 @@ def accuracy_at_lengths(task, model, workdir, lengths, args):
     config.batch_size = batch_rows
     config.data.eval_tokens = args.eval_rows * length
     config.data.synthetic.eval_seq_len = length
-    out[length] = evaluation.masked_accuracy(net, data.make_eval_batches(config))
-  return out
+    batches = data.make_eval_batches(config)
+    if task == "induction_heads" and length == lengths[0]:
+      out[length], breakdown = induction_breakdown(net, batches, config.data.synthetic.vocab_size)
+    else:
+      out[length] = evaluation.masked_accuracy(net, batches)
+  return out, breakdown
 
 
-def induction_breakdown(model, workdir, length, args, buckets=4):
-  """Induction Heads at ``length``: which held-out rows a partly learned model gets right.
-  ``{"by_distance": [[lo, hi, rows, accuracy], ...], "by_answer": [[symbol, rows, accuracy],
-  ...]}``: the answer accuracy by the distance from the first marker to the final one, in
-  ``buckets`` equal ranges, and by the answer's symbol."""
+_LAST_TOKEN = {}  # graphdef -> the jitted argmax at each row's last position
+
+
+def induction_breakdown(net, batches, num_symbols, buckets=4):
+  """Induction Heads: which held-out rows a partly learned model gets right. Returns the
+  accuracy over ``batches`` and ``{"by_distance": [[lo, hi, rows, accuracy], ...],
+  "by_answer": [[symbol, rows, accuracy], ...]}``: the accuracy by the distance from the first
+  marker to the final one, in ``buckets`` equal ranges, and by the answer's symbol."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  from recurrentgemma_jax import checkpoint, configlib, data  # pylint: disable=g-import-not-at-top
   from recurrentgemma_jax.data import synthetic as tasks  # pylint: disable=g-import-not-at-top
-  config = configlib.load(os.path.join(ROOT, "configs", "synthetic.py") + ":induction_heads")
-  configlib.override(config, train_overrides("induction_heads", model, args))
-  config.batch_size = max(1, min(args.eval_rows, 32, 32 * 1024 // length))
-  config.data.eval_tokens = args.eval_rows * length
-  config.data.synthetic.eval_seq_len = length
-  graphdef, state = nnx.split(checkpoint.load_model(workdir)[0])
-  answer = jax.jit(lambda state, inputs, pos: jnp.argmax(
-      nnx.merge(graphdef, state)(inputs, pos)[:, -1], axis=-1))
+  graphdef, state = nnx.split(net)
+  if graphdef not in _LAST_TOKEN:  # one compile for all checkpoints of a run
+    _LAST_TOKEN[graphdef] = jax.jit(lambda state, inputs, pos: jnp.argmax(
+        nnx.merge(graphdef, state)(inputs, pos)[:, -1], axis=-1))
   distances, hits, answers = [], [], []
-  for batch in data.make_eval_batches(config):
+  for batch in batches:
     real = batch["loss_mask"][:, -1] > 0  # the padding rows of the last batch score nothing
-    inputs = batch["inputs"][real]
-    distances.append(length - 1 - np.argmax(inputs == tasks.MARKER, axis=1))
+    length = batch["inputs"].shape[1]
+    distances.append(length - 1 - np.argmax(batch["inputs"][real] == tasks.MARKER, axis=1))
     answers.append(batch["targets"][real, -1] - tasks.FIRST_SYMBOL)
-    hits.append(np.asarray(answer(state, jnp.asarray(batch["inputs"]),
-                                  jnp.asarray(batch["segment_pos"])))[real]
-                == batch["targets"][real, -1])
+    predicted = _LAST_TOKEN[graphdef](state, jnp.asarray(batch["inputs"]),
+                                      jnp.asarray(batch["segment_pos"]))
+    hits.append(np.asarray(predicted)[real] == batch["targets"][real, -1])
   distances, hits, answers = map(np.concatenate, (distances, hits, answers))
-  mean = lambda rows: float(hits[rows].mean()) if rows.any() else float("nan")
+  mean = lambda rows: float(hits[rows].mean()) if rows.any() else None  # None: no such row
   edges = np.linspace(1, length - 1, buckets + 1).round().astype(int)
   by_distance = [[int(lo), int(hi), int(((distances >= lo) & (distances <= hi)).sum()),
                   mean((distances >= lo) & (distances <= hi))]
                  for lo, hi in zip(edges[:-1] + 1, edges[1:])]
-  by_answer = [[k, int((answers == k).sum()), mean(answers == k)]
-               for k in range(config.data.synthetic.vocab_size)]
-  return {"by_distance": by_distance, "by_answer": by_answer}
+  by_answer = [[k, int((answers == k).sum()), mean(answers == k)] for k in range(num_symbols)]
+  return float(hits.mean()), {"by_distance": by_distance, "by_answer": by_answer}
 
 
 def learning_curve(workdir):
@@ -205,10 +207,12 @@ def write_report(out, results, steps_done, curves, lengths, args, failed, by_ste
               "the markers, and by the answer's symbol** (rows in brackets)", "",
               "| " + " | ".join(f"{lo}-{hi}" for lo, hi, _, _ in near) + " |",
               "|" + "---|" * len(near),
-              "| " + " | ".join(f"{acc:.3f} ({n})" for _, _, n, acc in near) + " |", "",
+              "| " + " | ".join("-" if acc is None else f"{acc:.3f} ({n})"
+                                for _, _, n, acc in near) + " |", "",
               "| " + " | ".join(f"s{k}" for k, _, _ in symbols) + " |",
               "|" + "---|" * len(symbols),
-              "| " + " | ".join(f"{acc:.2f} ({n})" for _, n, acc in symbols) + " |", ""]
+              "| " + " | ".join("-" if acc is None else f"{acc:.2f} ({n})"
+                                for _, n, acc in symbols) + " |", ""]
   for (task, model), steps in by_step.items():
     lens = lengths[task]
     lines += [f"**{task} / {model}, every kept checkpoint**", "",
@@ -380,12 +384,12 @@ def main():
     if (task, model) in failed:
       continue
     steps_done[(task, model)], curves[(task, model)] = learning_curve(workdir)
-    results[(task, model)] = accuracy_at_lengths(task, model, workdir, lengths[task], args)
+    results[(task, model)], parts = accuracy_at_lengths(task, model, workdir, lengths[task], args)
+    if parts:
+      breakdown[(task, model)] = parts
     print(f"{task} / {model}: " + ", ".join(f"L={n} {a:.3f}"
                                              for n, a in results[(task, model)].items()),
           flush=True)
-    if task == "induction_heads":
-      breakdown[(task, model)] = induction_breakdown(model, workdir, lengths[task][0], args)
     if args.every_checkpoint:
       from recurrentgemma_jax import checkpoint  # pylint: disable=g-import-not-at-top
       table = report()  # the latest checkpoint's figures, before the slower pass over all
@@ -394,7 +398,7 @@ def main():
       by_step[(task, model)] = {
           step: (results[(task, model)] if os.path.join(ckpt_dir, str(step)) == latest else
                  accuracy_at_lengths(task, model, os.path.join(ckpt_dir, str(step)),
-                                     lengths[task], args))
+                                     lengths[task], args)[0])
           for step in reversed(checkpoint.committed_steps(ckpt_dir))}
     table = report()
   print(table)

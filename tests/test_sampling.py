@@ -189,15 +189,18 @@ def test_synthetic_experiment_script_trains_evaluates_beyond_training_length(tmp
   from helpers import run_script
   args = ["--tiny", f"--out={tmp_path}", "--tasks=induction_heads", "--models=hawk,mqa",
           "--steps=induction_heads=4", "--eval_rows=16", "--config.checkpoint_every=2",
-          "--config.keep_checkpoints=3"]
+          "--config.keep_checkpoints=3", "--config.data.eval_tokens=512"]
   run_script("synthetic.py", *args)
-  with open(tmp_path / "synthetic.json") as f:
-    first = json.load(f)
+  text = (tmp_path / "synthetic.json").read_text()
+  assert "NaN" not in text  # strict JSON
+  first = json.loads(text)
   assert set(first) == {"induction_heads/hawk", "induction_heads/mqa"}
   for result in first.values():
     assert list(result["accuracy"]) == ["32", "64", "128"]  # training length, then 2x and 4x
     assert all(0.0 <= a <= 1.0 for a in result["accuracy"].values())
     assert result["curve"][-1][0] == 4  # held-out accuracy logged at the last step
+    # The training loop's evaluation of the same 16 held-out rows (eval_tokens = 16 x 32).
+    assert result["accuracy"]["32"] == result["curve"][-1][1]
     # Accuracy by the distance between the markers: every held-out row in one bucket, and the
     # buckets' rows-weighted mean is the accuracy at the training length.
     buckets = result["by_distance"]
@@ -208,6 +211,7 @@ def test_synthetic_experiment_script_trains_evaluates_beyond_training_length(tmp
     symbols = result["by_answer"]  # the same by the answer's symbol
     assert [k for k, _, _ in symbols] == list(range(16))
     assert sum(n for _, n, _ in symbols) == 16
+    assert all((a is None) == (n == 0) for _, n, a in symbols)  # a symbol no row has: null
     np.testing.assert_allclose(sum(n * a for _, n, a in symbols if n) / 16,
                                result["accuracy"]["32"], rtol=1e-6)
   table = (tmp_path / "synthetic.md").read_text()
