@@ -142,8 +142,10 @@ _LAST_TOKEN = {}  # graphdef -> the jitted argmax at each row's last position
 def induction_breakdown(net, batches, num_symbols, buckets=4):
   """Induction Heads: which held-out rows a partly learned model gets right. Returns the
   accuracy over ``batches`` and ``{"by_distance": [[lo, hi, rows, accuracy], ...],
-  "by_answer": [[symbol, rows, accuracy], ...]}``: the accuracy by the distance from the first
-  marker to the final one, in ``buckets`` equal ranges, and by the answer's symbol."""
+  "by_answer": [[symbol, rows, accuracy, most often predicted], ...]}``: the accuracy by the
+  distance from the first marker to the final one, in ``buckets`` equal ranges, and by the
+  answer's symbol (``k`` for ``s{k}``), with the token most often predicted for it (its name in
+  the task's vocabulary); None where no row has it."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -153,7 +155,7 @@ def induction_breakdown(net, batches, num_symbols, buckets=4):
   if graphdef not in _LAST_TOKEN:  # one compile for all checkpoints of a run
     _LAST_TOKEN[graphdef] = jax.jit(lambda state, inputs, pos: jnp.argmax(
         nnx.merge(graphdef, state)(inputs, pos)[:, -1], axis=-1))
-  distances, hits, answers = [], [], []
+  distances, hits, answers, guesses = [], [], [], []
   for batch in batches:
     real = batch["loss_mask"][:, -1] > 0  # the padding rows of the last batch score nothing
     length = batch["inputs"].shape[1]
@@ -161,14 +163,18 @@ def induction_breakdown(net, batches, num_symbols, buckets=4):
     answers.append(batch["targets"][real, -1] - tasks.FIRST_SYMBOL)
     predicted = _LAST_TOKEN[graphdef](state, jnp.asarray(batch["inputs"]),
                                       jnp.asarray(batch["segment_pos"]))
-    hits.append(np.asarray(predicted)[real] == batch["targets"][real, -1])
-  distances, hits, answers = map(np.concatenate, (distances, hits, answers))
+    guesses.append(np.asarray(predicted)[real])
+    hits.append(guesses[-1] == batch["targets"][real, -1])
+  distances, hits, answers, guesses = map(np.concatenate, (distances, hits, answers, guesses))
+  names = tasks.SyntheticVocab(num_symbols)
+  most = lambda rows: names.decode([np.bincount(guesses[rows]).argmax()]) if rows.any() else None
   mean = lambda rows: float(hits[rows].mean()) if rows.any() else None  # None: no such row
   edges = np.linspace(1, length - 1, buckets + 1).round().astype(int)
   by_distance = [[int(lo), int(hi), int(((distances >= lo) & (distances <= hi)).sum()),
                   mean((distances >= lo) & (distances <= hi))]
                  for lo, hi in zip(edges[:-1] + 1, edges[1:])]
-  by_answer = [[k, int((answers == k).sum()), mean(answers == k)] for k in range(num_symbols)]
+  by_answer = [[k, int((answers == k).sum()), mean(answers == k), most(answers == k)]
+               for k in range(num_symbols)]
   return float(hits.mean()), {"by_distance": by_distance, "by_answer": by_answer}
 
 
@@ -204,15 +210,17 @@ def write_report(out, results, steps_done, curves, lengths, args, failed, by_ste
   for (task, model), parts in breakdown.items():
     near, symbols = parts["by_distance"], parts["by_answer"]
     lines += [f"**{task} / {model}, accuracy at L={lengths[task][0]} by the distance between "
-              "the markers, and by the answer's symbol** (rows in brackets)", "",
+              "the markers, and by the answer's symbol** (rows in brackets; last line: the token most often predicted)", "",
               "| " + " | ".join(f"{lo}-{hi}" for lo, hi, _, _ in near) + " |",
               "|" + "---|" * len(near),
               "| " + " | ".join("-" if acc is None else f"{acc:.3f} ({n})"
                                 for _, _, n, acc in near) + " |", "",
-              "| " + " | ".join(f"s{k}" for k, _, _ in symbols) + " |",
+              "| " + " | ".join(f"s{k}" for k, _, _, _ in symbols) + " |",
               "|" + "---|" * len(symbols),
               "| " + " | ".join("-" if acc is None else f"{acc:.2f} ({n})"
-                                for _, n, acc in symbols) + " |", ""]
+                                for _, n, acc, _ in symbols) + " |",
+              "| " + " | ".join("-" if guess is None else guess
+                                for _, _, _, guess in symbols) + " |", ""]
   for (task, model), steps in by_step.items():
     lens = lengths[task]
     lines += [f"**{task} / {model}, every kept checkpoint**", "",

@@ -209,11 +209,15 @@ def test_synthetic_experiment_script_trains_evaluates_beyond_training_length(tmp
     np.testing.assert_allclose(sum(n * a for _, _, n, a in buckets if n) / 16,
                                result["accuracy"]["32"], rtol=1e-6)
     symbols = result["by_answer"]  # the same by the answer's symbol
-    assert [k for k, _, _ in symbols] == list(range(16))
-    assert sum(n for _, n, _ in symbols) == 16
-    assert all((a is None) == (n == 0) for _, n, a in symbols)  # a symbol no row has: null
-    np.testing.assert_allclose(sum(n * a for _, n, a in symbols if n) / 16,
+    assert [k for k, _, _, _ in symbols] == list(range(16))
+    assert sum(n for _, n, _, _ in symbols) == 16
+    assert all((a is None) == (n == 0) == (g is None) for _, n, a, g in symbols)  # null: no row
+    np.testing.assert_allclose(sum(n * a for _, n, a, _ in symbols if n) / 16,
                                result["accuracy"]["32"], rtol=1e-6)
+    # The token most often predicted for a symbol: the symbol itself where every row is right,
+    # another token where none is.
+    assert all((g == f"s{k}") if a == 1 else (g != f"s{k}") if a == 0 else True
+               for k, n, a, g in symbols if n), symbols
   table = (tmp_path / "synthetic.md").read_text()
   assert "| hawk | 4 |" in table and "| mqa | 4 |" in table
   assert "induction_heads / mqa, accuracy at L=32 by the distance between the markers" in table
