@@ -210,7 +210,8 @@ def write_report(out, results, steps_done, curves, lengths, args, failed, by_ste
   for (task, model), parts in breakdown.items():
     near, symbols = parts["by_distance"], parts["by_answer"]
     lines += [f"**{task} / {model}, accuracy at L={lengths[task][0]} by the distance between "
-              "the markers, and by the answer's symbol** (rows in brackets; last line: the token most often predicted)", "",
+              "the markers, and by the answer's symbol** (rows in brackets; last line: the "
+              "token most often predicted)", "",
               "| " + " | ".join(f"{lo}-{hi}" for lo, hi, _, _ in near) + " |",
               "|" + "---|" * len(near),
               "| " + " | ".join("-" if acc is None else f"{acc:.3f} ({n})"
