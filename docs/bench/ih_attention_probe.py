@@ -21,7 +21,7 @@ import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
-from recurrentgemma_jax import attention, checkpoint, configlib, data  # pylint: disable=wrong-import-position
+from recurrentgemma_jax import attention, checkpoint, configlib, data  # pylint: disable=C0413
 from recurrentgemma_jax.data import synthetic as tasks  # pylint: disable=wrong-import-position
 
 
