@@ -7,8 +7,9 @@ RUN_DIR: an MQA run of ``scripts/synthetic.py`` (``DIR/induction_heads/mqa``) tr
 For 512 held-out rows it recomputes each block's attention probabilities from the block's input
 (its own projections and RoPE, causal), and prints, per layer, the mean weight of the last
 query (the final marker) on the answer's position (one after the first marker) in the rows the
-model gets right and wrong, and per answer symbol the accuracy and the positions (relative to
-the first marker) its attention peaks at in layers 1 and 2.
+model gets right and wrong, and per answer symbol the accuracy, the positions (relative to
+the first marker) its attention peaks at in layers 1 and 2, and how much the answer's own
+position attends to the marker before it in layer 0 (the previous-token step).
 """
 
 import collections
@@ -30,7 +31,7 @@ def main(run_dir, seq_len):
   config = configlib.load("configs/synthetic.py:induction_heads")
   config.seq_len = config.data.synthetic.eval_seq_len = seq_len
   config.batch_size, config.data.eval_tokens = 32, 512 * seq_len
-  weight, peak, right, symbol = [], [], [], []
+  weight, peak, right, symbol, back = [], [], [], [], []
   for batch in data.make_eval_batches(config):
     tokens, pos = jnp.asarray(batch["inputs"]), jnp.asarray(batch["segment_pos"])
     answer_at = np.argmax(batch["inputs"] == tasks.MARKER, axis=1) + 1
@@ -45,6 +46,9 @@ def main(run_dir, seq_len):
       logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -jnp.inf)
       probs = np.asarray(jax.nn.softmax(logits, axis=-1)[:, 0, -1])  # head 0, the last query
       w.append(probs[np.arange(b), answer_at])
+      if not p:  # layer 0: the answer's position's weight on the marker before it
+        at_answer = np.asarray(jax.nn.softmax(logits, axis=-1)[:, 0])[np.arange(b), answer_at]
+        back.append(at_answer[np.arange(b), answer_at - 1])
       p.append(probs.argmax(-1) - answer_at + 1)  # peak, relative to the first marker
       x = block(x, pos)[0]
     predicted = np.asarray(jnp.argmax(net(tokens, pos)[:, -1], axis=-1))
@@ -52,7 +56,7 @@ def main(run_dir, seq_len):
     peak.append(np.stack(p, 1))
     right.append(predicted == batch["targets"][:, -1])
     symbol.append(batch["targets"][:, -1] - tasks.FIRST_SYMBOL)
-  weight, peak, right, symbol = map(np.concatenate, (weight, peak, right, symbol))
+  weight, peak, right, symbol, back = map(np.concatenate, (weight, peak, right, symbol, back))
   np.set_printoptions(precision=2, suppress=True)
   print("mean weight of the last query on the answer's position, by layer")
   print(f"  right rows ({right.sum()}): {weight[right].mean(0)}")
@@ -63,7 +67,7 @@ def main(run_dir, seq_len):
       top = [collections.Counter(peak[rows, layer].tolist()).most_common(3) for layer in (1, 2)]
       print(f"  s{s}: {rows.sum()} rows, accuracy {right[rows].mean():.2f}, weight on the "
             f"answer {weight[rows].mean(0)}, peaks (offset: rows) layer 1 {top[0]}, "
-            f"layer 2 {top[1]}")
+            f"layer 2 {top[1]}; layer 0 at the answer, on the marker: {back[rows].mean():.2f}")
 
 
 if __name__ == "__main__":
