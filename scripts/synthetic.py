@@ -30,6 +30,7 @@ their accuracy by evaluation length in ``DIR/lengths.png`` (with, for runs evalu
 """
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -136,7 +137,15 @@ def accuracy_at_lengths(task, model, workdir, lengths, args):
   return out, breakdown
 
 
-_LAST_TOKEN = {}  # graphdef -> the jitted argmax at each row's last position
+@functools.lru_cache(maxsize=8)
+def _last_token(graphdef):
+  """The jitted argmax at each row's last position, of one model structure: one compile for
+  all checkpoints of a run (as ``evaluation``'s eval step)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  return jax.jit(lambda state, inputs, pos: jnp.argmax(
+      nnx.merge(graphdef, state)(inputs, pos)[:, -1], axis=-1))
 
 
 def induction_breakdown(net, batches, num_symbols, buckets=4):
@@ -146,23 +155,19 @@ def induction_breakdown(net, batches, num_symbols, buckets=4):
   distance from the first marker to the final one, in ``buckets`` equal ranges, and by the
   answer's symbol (``k`` for ``s{k}``), with the token most often predicted for it (its name in
   the task's vocabulary); None where no row has it."""
-  import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from recurrentgemma_jax.data import synthetic as tasks  # pylint: disable=g-import-not-at-top
   graphdef, state = nnx.split(net)
-  if graphdef not in _LAST_TOKEN:  # one compile for all checkpoints of a run
-    _LAST_TOKEN[graphdef] = jax.jit(lambda state, inputs, pos: jnp.argmax(
-        nnx.merge(graphdef, state)(inputs, pos)[:, -1], axis=-1))
+  last_token = _last_token(graphdef)
   distances, hits, answers, guesses = [], [], [], []
   for batch in batches:
     real = batch["loss_mask"][:, -1] > 0  # the padding rows of the last batch score nothing
     length = batch["inputs"].shape[1]
     distances.append(length - 1 - np.argmax(batch["inputs"][real] == tasks.MARKER, axis=1))
     answers.append(batch["targets"][real, -1] - tasks.FIRST_SYMBOL)
-    predicted = _LAST_TOKEN[graphdef](state, jnp.asarray(batch["inputs"]),
-                                      jnp.asarray(batch["segment_pos"]))
+    predicted = last_token(state, jnp.asarray(batch["inputs"]), jnp.asarray(batch["segment_pos"]))
     guesses.append(np.asarray(predicted)[real])
     hits.append(guesses[-1] == batch["targets"][real, -1])
   distances, hits, answers, guesses = map(np.concatenate, (distances, hits, answers, guesses))
