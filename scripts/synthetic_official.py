@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from recurrentgemma_jax import configlib, train  # pylint: disable=g-import-not-at-top
 from recurrentgemma_jax.data import synthetic  # pylint: disable=g-import-not-at-top
-from synthetic import MODELS, TASKS  # pylint: disable=g-import-not-at-top
+from synthetic import MODELS, TASKS, config_spec  # pylint: disable=g-import-not-at-top
 
 
 def official_model(config):
@@ -72,14 +72,14 @@ def main(argv=None):
   parser.add_argument("--lengths", default="", help="evaluation lengths at the end, L1,L2,...")
   parser.add_argument("--tiny", action="store_true", help="a CPU check: short rows, few steps")
   args, rest = parser.parse_known_args(argv)
-  overrides = [f"--config.model.block_types={MODELS[args.model]}"]
+  overrides = []
   if args.tiny:
     overrides += ["--config.seq_len=32", "--config.data.synthetic.num_tokens_to_copy=4",
                   "--config.batch_size=4", "--config.total_steps=6", "--config.eval_every=3",
                   "--config.log_every=3", "--config.model.attention_window_size=16"]
   if args.steps:
     overrides.append(f"--config.total_steps={args.steps}")
-  config = configlib.load(os.path.join(ROOT, "configs", "synthetic.py") + f":{args.task}")
+  config = configlib.load(config_spec(args.task, args.model))
   configlib.override(config, overrides + rest)
   model = official_model(config)
   seq = config.seq_len

@@ -42,6 +42,8 @@ TRAIN_CASES = [
     (["--config", "{root}/nope.py"], "nope.py' does not exist"),
     (["--config", os.path.join(ROOT, "configs", "griffin.py") + ":999m"],
      "griffin size '999m' is not one of"),
+    (["--config", os.path.join(ROOT, "configs", "synthetic.py") + ":induction_heads,gla"],
+     "synthetic model 'gla' is not one of griffin|hawk|mqa"),
     (["--config.batch_size=abc"], "--config.batch_size='abc' is not a valid int"),
     (["--config.seq_len=-5"], "seq_len="),
     (["--config.zero=2"], "zero=2 is not one of 0|1|3"),

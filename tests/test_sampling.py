@@ -218,6 +218,15 @@ def test_synthetic_experiment_script_trains_evaluates_beyond_training_length(tmp
     # another token where none is.
     assert all((g == f"s{k}") if a == 1 else (g != f"s{k}") if a == 0 else True
                for k, n, a, g in symbols if n), symbols
+  # Each run trained its own model, with its recipe (configs/synthetic.py:TASK,MODEL).
+  from recurrentgemma_jax import checkpoint
+  for model, blocks, lr in (("hawk", "recurrent", 1e-3), ("mqa", "global_attention", 5e-4)):
+    cfg, _ = checkpoint.read_model_config(checkpoint.resolve_model_dir(
+        str(tmp_path / "induction_heads" / model)))
+    assert cfg.resolved_block_types == (blocks,) * 5 and cfg.embeddings_scale_by_sqrt_dim
+    metrics = (tmp_path / "induction_heads" / model / "metrics.jsonl").read_text().splitlines()
+    record = json.loads(metrics[0])  # lr x (step - 1) / 4: the warm-up is capped at the 4 steps
+    np.testing.assert_allclose(record["lr"], lr * (record["step"] - 1) / 4, rtol=1e-5)
   table = (tmp_path / "synthetic.md").read_text()
   assert "| hawk | 4 |" in table and "| mqa | 4 |" in table
   assert "induction_heads / mqa, accuracy at L=32 by the distance between the markers" in table
@@ -260,8 +269,11 @@ def test_official_model_control_trains_on_the_synthetic_rows(tmp_path):
   # scripts/synthetic_official.py: the official recurrentgemma Griffin, our optimizer and rows.
   import json
   from helpers import run_script
+  # Unscaled embeddings: an untrained model then predicts near uniformly (with the config's
+  # sqrt(width) scaling the tied output layer favours the input token at first).
   run_script("synthetic_official.py", "--tiny", "--task=induction_heads", "--model=griffin",
-             f"--out={tmp_path}", "--eval_rows=8", "--lengths=32,64")
+             f"--out={tmp_path}", "--eval_rows=8", "--lengths=32,64",
+             "--config.model.embeddings_scale_by_sqrt_dim=false")
   with open(tmp_path / "metrics.jsonl") as f:
     records = [json.loads(line) for line in f]
   losses = {r["step"]: r["loss"] for r in records if "loss" in r}
