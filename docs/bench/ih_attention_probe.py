@@ -9,7 +9,7 @@ For 512 held-out rows it recomputes each block's attention probabilities from th
 query (the final marker) on the answer's position (one after the first marker) in the rows the
 model gets right and wrong, and per answer symbol the accuracy, the positions (relative to
 the first marker) its attention peaks at in layers 1 and 2, and how much the answer's own
-position attends to the marker before it in layer 0 (the previous-token step).
+position attends to the marker before it in each layer (the previous-token step).
 """
 
 import collections
@@ -35,7 +35,7 @@ def main(run_dir, seq_len):
   for batch in data.make_eval_batches(config):
     tokens, pos = jnp.asarray(batch["inputs"]), jnp.asarray(batch["segment_pos"])
     answer_at = np.argmax(batch["inputs"] == tasks.MARKER, axis=1) + 1
-    x, w, p = net.embedder.encode(tokens), [], []
+    x, w, p, bk = net.embedder.encode(tokens), [], [], []
     for block in net.blocks:
       _, normed = block.temporal_pre_norm.with_skip(x)
       a = block.attention_block
@@ -46,14 +46,15 @@ def main(run_dir, seq_len):
       logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -jnp.inf)
       probs = np.asarray(jax.nn.softmax(logits, axis=-1)[:, 0, -1])  # head 0, the last query
       w.append(probs[np.arange(b), answer_at])
-      if not p:  # layer 0: the answer's position's weight on the marker before it
-        at_answer = np.asarray(jax.nn.softmax(logits, axis=-1)[:, 0])[np.arange(b), answer_at]
-        back.append(at_answer[np.arange(b), answer_at - 1])
+      # The answer's position's weight on the marker before it (the previous-token step).
+      at_answer = np.asarray(jax.nn.softmax(logits, axis=-1)[:, 0])[np.arange(b), answer_at]
+      bk.append(at_answer[np.arange(b), answer_at - 1])
       p.append(probs.argmax(-1) - answer_at + 1)  # peak, relative to the first marker
       x = block(x, pos)[0]
     predicted = np.asarray(jnp.argmax(net(tokens, pos)[:, -1], axis=-1))
     weight.append(np.stack(w, 1))
     peak.append(np.stack(p, 1))
+    back.append(np.stack(bk, 1))
     right.append(predicted == batch["targets"][:, -1])
     symbol.append(batch["targets"][:, -1] - tasks.FIRST_SYMBOL)
   weight, peak, right, symbol, back = map(np.concatenate, (weight, peak, right, symbol, back))
@@ -67,7 +68,8 @@ def main(run_dir, seq_len):
       top = [collections.Counter(peak[rows, layer].tolist()).most_common(3) for layer in (1, 2)]
       print(f"  s{s}: {rows.sum()} rows, accuracy {right[rows].mean():.2f}, weight on the "
             f"answer {weight[rows].mean(0)}, peaks (offset: rows) layer 1 {top[0]}, "
-            f"layer 2 {top[1]}; layer 0 at the answer, on the marker: {back[rows].mean():.2f}")
+            f"layer 2 {top[1]}; the answer's position on the marker before it, by layer: "
+            f"{back[rows].mean(0)}")
 
 
 if __name__ == "__main__":
