@@ -8,13 +8,14 @@ accuracy at the training length and beyond it.
       [--tiny]
       [--config.FIELD=VALUE ...]   (passed to every training run, e.g. --config.batch_size=16)
 
-Each run is ``scripts/train.py --config configs/synthetic.py:TASK,MODEL`` in ``DIR/TASK/MODEL`` (its
-log in ``train.log`` there); rerunning resumes unfinished runs and re-evaluates. ``--parallel``
-runs that many trainings at once (the models are tiny; on a GPU they share it);
-``--time_limit`` stops the trainings still running after that many seconds (SIGTERM: each saves
-its step and exits; rerun to continue). Then each latest checkpoint is evaluated on ``--eval_rows`` held-out rows per length. Writes (rewritten after each evaluated run) ``DIR/synthetic.md``
-(the table), ``DIR/synthetic.json``, ``DIR/learning.png`` (held-out answer accuracy against
-training step, Fig. 6(a)) and ``DIR/lengths.png`` (accuracy against evaluation length,
+Each run is ``scripts/train.py --config configs/synthetic.py:TASK,MODEL`` (the model and its
+recipe) in ``DIR/TASK/MODEL`` (its log in ``train.log`` there); rerunning resumes unfinished runs
+and re-evaluates. ``--parallel`` runs that many trainings at once (the models are tiny; on a GPU
+they share it); ``--time_limit`` stops the trainings still running after that many seconds
+(SIGTERM: each saves its step and exits; rerun to continue). Then each latest checkpoint is
+evaluated on ``--eval_rows`` held-out rows per length. Writes (rewritten after each evaluated
+run) ``DIR/synthetic.md`` (the table), ``DIR/synthetic.json``, ``DIR/learning.png`` (held-out
+answer accuracy against training step, Fig. 6(a)) and ``DIR/lengths.png`` (accuracy against evaluation length,
 Fig. 6(b)). ``--every_checkpoint`` also evaluates each kept checkpoint at every length (how
 accuracy beyond the training length moves during training). For Induction Heads the table also
 breaks the accuracy at the training length down by the distance between the two markers and by
