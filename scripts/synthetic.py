@@ -16,10 +16,10 @@ they share it); ``--time_limit`` stops the trainings still running after that ma
 evaluated on ``--eval_rows`` held-out rows per length. Writes (rewritten after each evaluated
 run) ``DIR/synthetic.md`` (the table), ``DIR/synthetic.json``, ``DIR/learning.png`` (held-out
 answer accuracy against training step, Fig. 6(a)) and ``DIR/lengths.png`` (accuracy against
-evaluation length, Fig. 6(b)). ``--every_checkpoint`` also evaluates each kept checkpoint at every length (how
-accuracy beyond the training length moves during training). For Induction Heads the table also
-breaks the accuracy at the training length down by the distance between the two markers and by
-the answer's symbol (which rows a partly learned model gets right). ``--tiny`` (a CPU check of
+evaluation length, Fig. 6(b)). ``--every_checkpoint`` also evaluates each kept checkpoint at
+every length (how accuracy beyond the training length moves during training). For Induction
+Heads the table also breaks the accuracy at the training length down by the distance between
+the two markers and by the answer's symbol (which rows a partly learned model gets right). ``--tiny`` (a CPU check of
 the script): few steps, short rows.
 
   python scripts/synthetic.py --out DIR --merge DIR1,DIR2,...
