@@ -19,8 +19,8 @@ answer accuracy against training step, Fig. 6(a)) and ``DIR/lengths.png`` (accur
 evaluation length, Fig. 6(b)). ``--every_checkpoint`` also evaluates each kept checkpoint at
 every length (how accuracy beyond the training length moves during training). For Induction
 Heads the table also breaks the accuracy at the training length down by the distance between
-the two markers and by the answer's symbol (which rows a partly learned model gets right). ``--tiny`` (a CPU check of
-the script): few steps, short rows.
+the two markers and by the answer's symbol (which rows a partly learned model gets right).
+``--tiny`` (a CPU check of the script): few steps, short rows.
 
   python scripts/synthetic.py --out DIR --merge DIR1,DIR2,...
 
