@@ -44,11 +44,11 @@ def main(run_dir, seq_len):
       k = attention.apply_rope(a.proj_k(normed).reshape(b, t, 1, a.head_dim), pos)[:, :, 0]
       logits = jnp.einsum("btnh,bsh->bnts", q, k) * a.head_dim**-0.5
       logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -jnp.inf)
-      probs = np.asarray(jax.nn.softmax(logits, axis=-1)[:, 0, -1])  # head 0, the last query
+      head0 = np.asarray(jax.nn.softmax(logits, axis=-1)[:, 0])  # [b, query, key]
+      probs = head0[:, -1]  # the last query
       w.append(probs[np.arange(b), answer_at])
       # The answer's position's weight on the marker before it (the previous-token step).
-      at_answer = np.asarray(jax.nn.softmax(logits, axis=-1)[:, 0])[np.arange(b), answer_at]
-      bk.append(at_answer[np.arange(b), answer_at - 1])
+      bk.append(head0[np.arange(b), answer_at, answer_at - 1])
       p.append(probs.argmax(-1) - answer_at + 1)  # peak, relative to the first marker
       x = block(x, pos)[0]
     predicted = np.asarray(jnp.argmax(net(tokens, pos)[:, -1], axis=-1))
