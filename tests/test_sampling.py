@@ -224,6 +224,7 @@ def test_synthetic_experiment_script_trains_evaluates_beyond_training_length(tmp
     cfg, _ = checkpoint.read_model_config(checkpoint.resolve_model_dir(
         str(tmp_path / "induction_heads" / model)))
     assert cfg.resolved_block_types == (blocks,) * 5 and cfg.embeddings_scale_by_sqrt_dim
+    assert cfg.num_heads == 4 and cfg.resolved_gate_blocks == 1
     metrics = (tmp_path / "induction_heads" / model / "metrics.jsonl").read_text().splitlines()
     record = json.loads(metrics[0])  # lr x (step - 1) / 4: the warm-up is capped at the 4 steps
     np.testing.assert_allclose(record["lr"], lr * (record["step"] - 1) / 4, rtol=1e-5)
