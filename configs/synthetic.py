@@ -9,8 +9,8 @@ accuracy beyond the training length (docs/synthetic.md).
 """
 
 from recurrentgemma_jax import configlib
+from recurrentgemma_jax.data.synthetic import TASKS
 
-TASKS = ("selective_copying", "induction_heads")
 MODELS = {  # the paper's three 5-block models; Griffin's local attention is the third block
     "griffin": "recurrent,recurrent,attention,recurrent,recurrent",
     "hawk": ",".join(["recurrent"] * 5),

@@ -42,9 +42,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from recurrentgemma_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+from recurrentgemma_jax.data.synthetic import TASKS  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 MODELS = ("mqa", "hawk", "griffin")  # configs/synthetic.py:TASK,MODEL holds each one
-TASKS = ("selective_copying", "induction_heads")
 DEFAULT_LENGTHS = {"selective_copying": (1024, 2048, 4096),
                    "induction_heads": (256, 512, 1024, 2048, 4096)}
 
@@ -380,7 +380,7 @@ def main():
              "--config.FIELD=VALUE")
   args.tasks = [t for t in args.tasks.split(",") if t]
   args.models = [m for m in args.models.split(",") if m]
-  for name, allowed in (("--tasks", TASKS), ("--models", tuple(MODELS))):
+  for name, allowed in (("--tasks", TASKS), ("--models", MODELS)):
     bad = [x for x in getattr(args, name[2:]) if x not in allowed]
     if bad:
       sys.exit(f"error: {name} has {bad[0]!r}; allowed: {'|'.join(allowed)}")
