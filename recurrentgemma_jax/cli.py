@@ -126,7 +126,37 @@ def _config_spec(args: list[str], default: str) -> tuple[str, list[str]]:
   return spec, rest
 
 
-def parse_config_flags(argv: list[str], *, default_config: str, define=None):
+HELP_FLAGS = ("-h", "--help", "--helpfull")
+
+
+def config_fields(config, prefix: str = "") -> list[tuple[str, object]]:
+  """``(dotted name, value)`` of every leaf field of a ConfigDict, in its order."""
+  out = []
+  for name, value in config.items():
+    if hasattr(value, "items"):
+      out += config_fields(value, f"{prefix}{name}.")
+    else:
+      out.append((f"{prefix}{name}", value))
+  return out
+
+
+def help_text(usage: str, spec: str, config, values, names) -> str:
+  """``--help``'s text: the script's usage, its own flags, then every config field as the
+  ``--config.FIELD=VALUE`` that sets it, with the value it has in ``spec`` (and the command
+  line's overrides)."""
+  path, colon, arg = spec.partition(":")
+  shown = (os.path.relpath(path) if os.path.exists(path) else path) + colon + arg
+  lines = [usage.strip(), "", "Flags:",
+           f"  --config=FILE[:ARG]: a config file and its argument (now {shown})"]
+  lines += [f"  --{name}: {values[name].help} (default {values[name].default!r})"
+            for name in names]
+  lines += ["", f"Config fields of {shown}, as set by --config.FIELD=VALUE:"]
+  lines += [f"  --config.{name}={value!r}" if isinstance(value, str) and not value
+            else f"  --config.{name}={value}" for name, value in config_fields(config)]
+  return "\n".join(lines)
+
+
+def parse_config_flags(argv: list[str], *, default_config: str, define=None, usage: str = ""):
   """A config script's command line (``argv[0]`` is the program) through absl flags:
   ``--config=FILE[:ARG]`` and ``--config.FIELD=VALUE`` with ``ml_collections.config_flags``,
   the script's own flags with ``define(flag_values) -> {name: FlagHolder}``. Returns
@@ -134,7 +164,8 @@ def parse_config_flags(argv: list[str], *, default_config: str, define=None):
 
   The config fields are checked first by ``configlib`` (one ConfigError line naming the
   field, the value and what is allowed); a FlagValues of its own per call lets a script's
-  ``main`` run more than once in a process (the tests do).
+  ``main`` run more than once in a process (the tests do). ``-h`` / ``--help``: prints
+  ``usage``, the flags and every config field with its value (``help_text``), then exits 0.
   """
   from absl import flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
@@ -142,10 +173,16 @@ def parse_config_flags(argv: list[str], *, default_config: str, define=None):
 
   spec, rest = _config_spec(list(argv[1:]), default_config)
   overrides, _ = split_config_flags(rest)  # (the others are absl's to parse)
-  configlib.override(configlib.load(spec), overrides)  # our one-line errors first
+  config = configlib.load(spec)
+  configlib.override(config, overrides)  # our one-line errors first
 
-  argv = [argv[0], f"--config={spec}", *rest]
   values = flags.FlagValues()
+  if any(arg in HELP_FLAGS for arg in rest):
+    holders = define(values) if define else {}
+    print(help_text(usage or f"usage: {os.path.basename(argv[0])}", spec, config, values,
+                    list(holders)))
+    sys.exit(0)
+  argv = [argv[0], f"--config={spec}", *rest]
   holder = config_flags.DEFINE_config_file(
       "config", None, "a config file and its argument, FILE[:ARG]", flag_values=values,
       lock_config=False, sys_argv=argv)

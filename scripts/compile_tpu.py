@@ -143,7 +143,8 @@ def main(argv: list[str]) -> None:
   with cli.user_errors():
     from recurrentgemma_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
     config, values = cli.parse_config_flags(
-        argv, default_config=os.path.join(ROOT, "configs", "default.py"), define=define_flags)
+        argv, default_config=os.path.join(ROOT, "configs", "default.py"), define=define_flags,
+        usage=__doc__)
     args = types.SimpleNamespace(**values)
     if not args.topology:
       raise ConfigError("--topology is required: a Cloud TPU slice name, e.g. --topology=v5e-8")

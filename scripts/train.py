@@ -46,7 +46,8 @@ def main(argv: list[str]) -> None:
   cli.quiet_background_failures()
   with cli.user_errors():
     config, flags = cli.parse_config_flags(argv, default_config=DEFAULT_CONFIG,
-                                           define=define_flags)
+                                           define=define_flags,
+                                           usage=__doc__)
     from recurrentgemma_jax import train  # pylint: disable=g-import-not-at-top
     try:
       train.run(config, flags["workdir"])

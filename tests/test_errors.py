@@ -78,6 +78,29 @@ def test_train_rejects_bad_input_with_one_line(args, expected, files, tmp_path, 
   assert not os.path.exists(tmp_path / "run" / "checkpoints")  # nothing ran
 
 
+@pytest.mark.parametrize("script,flag", [("train", "--help"), ("compile_tpu", "-h")])
+def test_help_lists_the_flags_and_every_config_field_with_its_value(script, flag, tmp_path,
+                                                                   capsys):
+  module = load_script(script)
+  with pytest.raises(SystemExit) as exit_info:
+    module.main([f"{script}.py", f"--workdir={tmp_path / 'run'}",
+                 "--config", os.path.join(ROOT, "configs", "hawk.py") + ":400m",
+                 "--config.batch_size=48", flag])
+  assert exit_info.value.code == 0
+  out = capsys.readouterr().out
+  assert out.startswith(module.__doc__.strip().splitlines()[0])  # the script's usage
+  assert "  --workdir: " in out and "configs/hawk.py:400m" in out
+  if script == "compile_tpu":
+    assert "  --topology: a Cloud TPU slice name" in out
+  fields = [line.strip() for line in out.splitlines() if line.startswith("  --config.")]
+  assert "--config.batch_size=48" in fields  # the command line's override
+  assert "--config.model.family=hawk" in fields and "--config.model.width=1536" in fields
+  from recurrentgemma_jax import cli, configlib  # pylint: disable=g-import-not-at-top
+  config = configlib.family_config("hawk", "400m")
+  assert len(fields) == len(cli.config_fields(config)) > 50  # every leaf field, once
+  assert not os.path.exists(tmp_path / "run")  # nothing ran
+
+
 def test_a_renamed_field_names_its_replacement(tmp_path, capsys):
   with pytest.raises(SystemExit):
     load_script("train").main(["train.py", f"--workdir={tmp_path}", "--config.data.eval_batches=2"])
