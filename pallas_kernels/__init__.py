@@ -7,6 +7,7 @@
 - ``conv1d``: the recurrent block's causal Conv1D with a one-pass backward (Triton GPU).
 - ``norm``: a pre-norm block's RMSNorm with a one-pass backward that adds the skip's gradient
   (Triton GPU).
+- ``loss``: the training loss's cross-entropy with a one-pass log-sum-exp (Triton GPU).
 - ``sampling``: greedy decoding's output layer and argmax in one kernel that never writes the
   logits (Triton GPU).
 - ``attention``: splash attention on TPU.

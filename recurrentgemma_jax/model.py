@@ -18,6 +18,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels import dispatch
+from pallas_kernels import loss as loss_kernels
 from pallas_kernels import mlp as mlp_kernels
 from pallas_kernels.mlp import gated_up
 from pallas_kernels.sampling import greedy
@@ -123,6 +124,7 @@ class ModelConfig:
   norm_impl: str = "auto"               # auto | xla | pallas: the blocks' RMSNorm backward
   decode_impl: str = "auto"             # auto | xla | pallas: the decoding step's kernels (a
                                         # recurrent block's gates and update; the greedy token)
+  loss_impl: str = "auto"               # auto | xla | pallas: the training loss's cross-entropy
   remat: str = "none"
   scan_layers: str = "auto"  # auto | true | false: layers as one lax.scan (auto: with remat)
 
@@ -231,6 +233,20 @@ class ModelConfig:
     return _kernel_on_gpus(self.decode_impl)
 
   @property
+  def resolved_loss_impl(self) -> str:
+    """``pallas``: the training loss's cross-entropy through ``pallas_kernels.loss``, whose
+    log-sum-exp reads the logits once where XLA's reads them twice, and the model hands it the
+    logits in the compute dtype (``Model.__call__(upcast_logits=False)``). ``auto``: on GPUs,
+    for models without a logit soft cap (a capped model's loss already takes one pass,
+    ``train.masked_cross_entropy``) and vocabularies of ``loss.MIN_VOCAB`` (4096) or more."""
+    if self.loss_impl != "auto":
+      return self.loss_impl
+    if (self.logits_soft_cap or self.vocab_size < loss_kernels.MIN_VOCAB
+        or not loss_kernels.supported(self.vocab_size)):
+      return "xla"
+    return _kernel_on_gpus("auto")
+
+  @property
   def layers_scanned(self) -> bool:
     """Whether the layers run as one ``lax.scan`` over stacked parameters (``Model``), which
     keeps the compile time flat in depth. ``auto``: with rematerialisation (``remat`` block or
@@ -321,7 +337,7 @@ class ModelConfig:
                ("scan_impl", ("auto", "pallas", "xla_linear", "xla_associative")),
                ("mlp_impl", KERNEL_IMPLS), ("norm_impl", KERNEL_IMPLS),
                ("conv1d_impl", KERNEL_IMPLS), ("decode_impl", KERNEL_IMPLS),
-               ("remat", REMAT_POLICIES))
+               ("loss_impl", KERNEL_IMPLS), ("remat", REMAT_POLICIES))
     for name, allowed in choices:
       value = getattr(self, name)
       if value not in allowed:
@@ -334,6 +350,9 @@ class ModelConfig:
                  f"{self.rg_lru_max_ac} must satisfy 0 < min < max < 1")
     if self.logits_soft_cap < 0:
       out.append(f"model.logits_soft_cap={self.logits_soft_cap} must be >= 0 (0 disables it)")
+    if self.loss_impl == "pallas" and not loss_kernels.supported(self.vocab_size):
+      out.append(f"model.loss_impl='pallas' needs a model.vocab_size that is a multiple of 16, "
+                 f"not {self.vocab_size} (use model.loss_impl=auto or xla)")
     return out
 
 
@@ -482,9 +501,13 @@ class Model(nnx.Module):
       self,
       tokens: Int[Array, "b t"],
       segment_pos: Int[Array, "b t"],
+      *,
+      upcast_logits: bool = True,
   ) -> Float[Array, "b t v"]:
     """Logits (float32) for the next token at every position; documents packed in a row are
-    kept apart by ``segment_pos`` (0 at each document's first token)."""
+    kept apart by ``segment_pos`` (0 at each document's first token). ``upcast_logits=False``
+    (a model without a soft cap): the logits in the compute dtype, for a loss kernel that
+    reads them as the output layer wrote them (``resolved_loss_impl``)."""
     x = self.embedder.encode(tokens)
     if self.cfg.remat == "none":
       forward = scanned_forward = _block_forward
@@ -499,7 +522,7 @@ class Model(nnx.Module):
       x = self._scan(scanned_forward, x, segment_pos)
     for block in self.tail_blocks if self.cfg.layers_scanned else self.blocks:
       x = forward(block, x, segment_pos)
-    return self._logits(x)
+    return self._logits(x, upcast_logits)
 
   def extend(
       self,
@@ -587,8 +610,10 @@ class Model(nnx.Module):
 
     return jax.lax.scan(body, x, stacked)[0]
 
-  def _logits(self, x):
+  def _logits(self, x, upcast: bool = True):
     logits = self.embedder.decode(self.final_norm(x))
+    if not upcast and not self.cfg.logits_soft_cap:
+      return logits
     logits = logits.astype(layers.accumulation_dtype(logits.dtype))
     if self.cfg.logits_soft_cap:
       cap = self.cfg.logits_soft_cap

@@ -77,7 +77,8 @@ def make_optimizer(opt: ml_collections.ConfigDict, total_steps: int):
 MAX_LOGIT_BOUND = 40.0
 
 
-def masked_cross_entropy(logits, targets, mask, logit_bound: float = 0.0):
+def masked_cross_entropy(logits, targets, mask, logit_bound: float = 0.0,
+                         impl: str = "xla"):
   """Sum of the token losses where ``mask`` is 1, and the number of such tokens.
 
   The target's logit is picked by comparing the targets with an iota, not gathered: the
@@ -90,7 +91,16 @@ def masked_cross_entropy(logits, targets, mask, logit_bound: float = 0.0):
   row's maximum: ``exp(logit - c)`` lies in ``[exp(-2c), 1]``, so one pass over the ``[B, T, V]``
   logits does what a maximum pass and a sum pass do otherwise (0.7 ms of an H100 Griffin-400M
   step at 32K tokens and a 32K vocabulary).
+
+  ``impl="pallas"`` (where there is no such bound): ``pallas_kernels.loss.cross_entropy``, whose
+  log-sum-exp also takes one pass (a running maximum); interpreted on a CPU. The model's
+  ``resolved_loss_impl`` chooses.
   """
+  if impl == "pallas" and not 0.0 < logit_bound <= MAX_LOGIT_BOUND:
+    from pallas_kernels import dispatch, loss  # pylint: disable=g-import-not-at-top
+    losses = loss.cross_entropy(logits, targets, interpret=dispatch.interpret_on(
+        dispatch.target_platform()))
+    return jnp.sum(losses * mask), jnp.sum(mask)
   logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
   is_target = targets[..., None] == jax.lax.broadcasted_iota(targets.dtype, logits.shape,
                                                              logits.ndim - 1)
@@ -114,9 +124,10 @@ def make_loss_sum(graphdef):
 
   def loss_sum(params, micro):
     model = nnx.merge(graphdef, params)
-    logits = model(micro["inputs"], micro["segment_pos"])
+    impl = model.cfg.resolved_loss_impl
+    logits = model(micro["inputs"], micro["segment_pos"], upcast_logits=impl == "xla")
     return masked_cross_entropy(logits, micro["targets"], micro["loss_mask"],
-                                logit_bound(model))
+                                logit_bound(model), impl)
 
   return loss_sum
 

@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 import pallas_kernels  # noqa: E402
 from pallas_kernels.conv1d import causal  # noqa: E402
 from pallas_kernels.gates import block_diagonal  # noqa: E402
+from pallas_kernels import loss  # noqa: E402
 from pallas_kernels.mlp import gated_up, gating  # noqa: E402
 from pallas_kernels.norm import rms  # noqa: E402
 from pallas_kernels.rg_lru import decode  # noqa: E402
@@ -112,6 +113,10 @@ def cases(tiny: bool):
   gn, gd, gv = (70, 64, 512) if tiny else (128, 2048, 65536)
   yield ("greedy_token", _greedy_maxima, lambda x, table: greedy.partials_reference(x, table)[0],
          [("x", (gn, gd)), ("gate_weight", (gv, gd))])
+  # the training loss over a 32K vocabulary (Griffin 400M's) and a 256K one, some rows of each
+  ce = lambda logits, targets: loss.cross_entropy(logits, targets, interpret=interpret)
+  for n, v in ((70, 4352), (5, 512)) if tiny else ((2048, 32768), (131, 256000)):
+    yield ("cross_entropy", ce, loss.reference, [("x", (n, v)), ("targets", (n, v))])
   n, d = (70, 48) if tiny else (32768, 1536)                  # Griffin 400M's residual stream
   norm = lambda x, scale: rms.rms_norm_with_skip(x, scale, eps=1e-6, interpret=interpret)
   yield ("rms_norm", norm, lambda x, scale: (x, rms.forward(x, scale, 1e-6)),
@@ -125,6 +130,8 @@ def make_inputs(specs, dtype, key):
       out.append(jax.random.bernoulli(k, 0.002, shape))
     elif kind == "documents":  # document numbers of packed rows, a new one every ~50 tokens
       out.append(jnp.cumsum(jax.random.bernoulli(k, 0.02, shape), axis=-1, dtype=jnp.int32))
+    elif kind == "targets":  # a target in [0, V) for each of the N rows of (N, V)
+      out.append(jax.random.randint(k, shape[:-1], 0, shape[-1], jnp.int32))
     elif kind == "positions":  # positions in the document, the first few included
       out.append(jax.random.randint(k, shape, 0, 6, jnp.int32))
     elif kind == "state":
