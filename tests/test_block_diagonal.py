@@ -151,7 +151,7 @@ def test_gpu_kernel_check_script_passes_every_kernel_and_flags_a_wrong_one(monke
   with pytest.raises(SystemExit) as exit_:
     check.main()
   rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
-  assert exit_.value.code == 0 and len(rows) == 14, rows
+  assert exit_.value.code == 0 and len(rows) == 16, rows
   assert all("| float32 |" in row for row in rows), rows
   assert all("| ok |" in row for row in rows), rows
 
