@@ -25,6 +25,8 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from pallas_kernels import dispatch
+from pallas_kernels import loss as loss_kernels
 from recurrentgemma_jax import checkpoint as ckpt_lib
 from recurrentgemma_jax import aot, configlib, data, flops
 from recurrentgemma_jax import model as model_lib
@@ -93,13 +95,12 @@ def masked_cross_entropy(logits, targets, mask, logit_bound: float = 0.0,
   step at 32K tokens and a 32K vocabulary).
 
   ``impl="pallas"`` (where there is no such bound): ``pallas_kernels.loss.cross_entropy``, whose
-  log-sum-exp also takes one pass (a running maximum); interpreted on a CPU. The model's
-  ``resolved_loss_impl`` chooses.
+  log-sum-exp also takes one pass (a running maximum); interpreted on a CPU, XLA's on a TPU. The
+  model's ``resolved_loss_impl`` chooses.
   """
-  if impl == "pallas" and not 0.0 < logit_bound <= MAX_LOGIT_BOUND:
-    from pallas_kernels import dispatch, loss  # pylint: disable=g-import-not-at-top
-    losses = loss.cross_entropy(logits, targets, interpret=dispatch.interpret_on(
-        dispatch.target_platform()))
+  platform = dispatch.target_platform()
+  if impl == "pallas" and platform != "tpu" and not 0.0 < logit_bound <= MAX_LOGIT_BOUND:
+    losses = loss_kernels.cross_entropy(logits, targets, interpret=platform != "gpu")
     return jnp.sum(losses * mask), jnp.sum(mask)
   logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
   is_target = targets[..., None] == jax.lax.broadcasted_iota(targets.dtype, logits.shape,

@@ -125,3 +125,17 @@ def test_which_loss_runs():
   assert any("model.loss_impl='pallas' needs a model.vocab_size that is a multiple of 16" in e
              for e in odd.errors())
   assert not any("loss_impl" in e for e in base.errors())
+
+
+def test_a_tpu_target_takes_xlas_loss(monkeypatch):
+  # The kernel is Triton: compiled for a TPU, loss_impl=pallas takes XLA's cross-entropy (as the
+  # other GPU kernels do there) instead of failing in the Mosaic TPU lowering.
+  from pallas_kernels import dispatch  # pylint: disable=g-import-not-at-top
+  logits, targets, _ = inputs(2, (2, 3), 64, jnp.bfloat16, 0.0)
+  mask = jnp.ones((2, 3))
+  want = train.masked_cross_entropy(logits, targets, mask, 0.0, "xla")
+  monkeypatch.setattr(dispatch, "target_platform", lambda: "tpu")
+  monkeypatch.setattr(train.loss_kernels, "cross_entropy",
+                      lambda *a, **k: pytest.fail("the Triton kernel on a TPU"))
+  got = train.masked_cross_entropy(logits, targets, mask, 0.0, "pallas")
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
