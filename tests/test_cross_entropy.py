@@ -105,7 +105,7 @@ def test_a_models_training_loss_with_the_kernel_equals_xlas():
     model = model_lib.init_model(model_lib.ModelConfig(**cfg, loss_impl=impl), 0)
     assert model.cfg.resolved_loss_impl == impl
     graphdef, params = nnx.split(model)
-    results[impl] = jax.value_and_grad(train.make_loss_sum(graphdef), has_aux=True)(
+    results[impl] = jax.jit(jax.value_and_grad(train.make_loss_sum(graphdef), has_aux=True))(
         params, micro)
   (loss_x, count_x), grads_x = results["xla"]
   (loss_p, count_p), grads_p = results["pallas"]

@@ -70,13 +70,15 @@ def test_packed_row_equals_separate_documents(block_type):
   doc_a, doc_b = rng.integers(0, 53, 7), rng.integers(0, 53, 9)  # both longer than the window
   packed = jnp.asarray(np.concatenate([doc_a, doc_b]))[None]
   packed_pos = jnp.asarray(np.concatenate([np.arange(7), np.arange(9)]))[None]
-  out_packed = model(packed, packed_pos)[0]
-  out_a = model(jnp.asarray(doc_a)[None], jnp.arange(7)[None])[0]
-  out_b = model(jnp.asarray(doc_b)[None], jnp.arange(9)[None])[0]
+  forward = nnx.jit(lambda m, tokens, pos: m(tokens, pos)[0])  # (op by op: seconds a call)
+  out_packed = forward(model, packed, packed_pos)
+  out_a = forward(model, jnp.asarray(doc_a)[None], jnp.arange(7)[None])
+  out_b = forward(model, jnp.asarray(doc_b)[None], jnp.arange(9)[None])
   np.testing.assert_allclose(out_packed[:7], out_a, rtol=2e-5, atol=2e-5)
   np.testing.assert_allclose(out_packed[7:], out_b, rtol=2e-5, atol=2e-5)
   # And the second document really does depend on its own earlier tokens.
-  assert not np.allclose(out_b[-1], model(jnp.asarray(doc_b[-1:])[None], jnp.zeros((1, 1), int))[0, -1])
+  alone = forward(model, jnp.asarray(doc_b[-1:])[None], jnp.zeros((1, 1), int))
+  assert not np.allclose(out_b[-1], alone[-1])
 
 
 @pytest.mark.parametrize("block_type", BLOCK_TYPES)
@@ -90,6 +92,7 @@ def test_block_gradients_match_finite_differences(block_type):
     x = jax.random.normal(jax.random.PRNGKey(5), (2, 6, 8), jnp.float64)
     segment_pos = jnp.asarray([[0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 2]])
 
+    @jax.jit  # (op by op, each of check_grads' evaluations takes seconds)
     def loss(params, x):
       y, _ = nnx.merge(graphdef, params)(x, segment_pos)
       return jnp.sum(jnp.sin(y))
