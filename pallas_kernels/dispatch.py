@@ -26,6 +26,14 @@ def target_platform() -> str:
   return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
 
 
+def triton_interpret() -> bool | None:
+  """How a Triton kernel (written for GPUs) runs in the current program: compiled on a GPU
+  target (False), in Pallas' interpreter on a CPU target (True); None on a TPU target, where
+  its caller takes its XLA path instead."""
+  platform = target_platform()
+  return None if platform == "tpu" else platform != "gpu"
+
+
 def gpu_capability() -> float | None:
   """The first device's CUDA compute capability (``9.0`` for Hopper), or None where it has none
   (a CPU or TPU, a GPU backend that does not say)."""

@@ -75,13 +75,12 @@ class RMSNorm(nnx.Module):
     """``(x, self(x))`` for a pre-norm residual block, which keeps ``x`` for its skip
     connection. With ``impl="pallas"`` the backward is one kernel pass that also adds the
     skip's gradient (``pallas_kernels.norm``); the values are the same either way."""
-    platform = dispatch.target_platform()
-    if self.impl != "pallas" or platform == "tpu" or not norm_kernels.supported(x.shape[-1]):
+    interpret = dispatch.triton_interpret()
+    if self.impl != "pallas" or interpret is None or not norm_kernels.supported(x.shape[-1]):
       return x, self(x)
     # Per device under a mesh: rows over ``data``; the normalised axis is not split (``embed``).
     rows = ("batch",) + (None,) * (x.ndim - 2) + (self.axis_name,)
-    norm = functools.partial(norm_kernels.rms_norm_with_skip, eps=self.eps,
-                             interpret=platform != "gpu")
+    norm = functools.partial(norm_kernels.rms_norm_with_skip, eps=self.eps, interpret=interpret)
     return partitioning.shard_local(norm, (rows, (self.axis_name,)), (rows, rows))(
         x, self.scale.value)
 
@@ -196,12 +195,12 @@ class Conv1D(nnx.Module):
       padded = jnp.concatenate([history.swapaxes(0, 1), x], axis=1)
       before = segment_pos[:, :1] - slots + jnp.arange(slots)
       padded_doc = jnp.concatenate([jnp.where(before >= 0, 0, -1), doc], axis=1)
-    platform = dispatch.target_platform()
-    if (state is None and self.impl == "pallas" and platform != "tpu"
+    interpret = dispatch.triton_interpret()
+    if (state is None and self.impl == "pallas" and interpret is not None
         and conv_kernels.supported(x.shape[-1])):
       # Per device under a mesh (rows over ``data``, channels over ``model``).
       rows = ("batch", None, "lru")
-      conv = functools.partial(conv_kernels.causal_conv1d, interpret=platform != "gpu")
+      conv = functools.partial(conv_kernels.causal_conv1d, interpret=interpret)
       out = partitioning.shard_local(conv, (rows, (None, "lru"), ("lru",), ("batch", None)),
                                      rows)(x, self.w.value, self.b.value, doc)
     else:

@@ -385,13 +385,14 @@ class MLPBlock(nnx.Module):
     w = self.ffw_up.w.value.astype(self.dtype)
     if x.shape[1] == 1:  # decoding, one token per row (``gated_up``'s layout)
       up = gated_up.reference
-      if (self.impl == "pallas" and dispatch.target_platform() != "tpu"
+      interpret = dispatch.triton_interpret()
+      if (self.impl == "pallas" and interpret is not None
           and gated_up.worthwhile(x.shape[0], *w.shape[1:])):
         # One kernel that writes only the gated product, per device under a mesh where that
         # device's rows and share of the features are worth it.
         def local(x, w, b):
           if gated_up.worthwhile(x.shape[0], *w.shape[1:]):
-            return gated_up.gated_up(x, w, b, interpret=dispatch.target_platform() != "gpu")
+            return gated_up.gated_up(x, w, b, interpret=interpret)
           return gated_up.reference(x, w, b)
         up = partitioning.shard_local(local, (("batch", None), (None, None, "mlp"), (None, "mlp")),
                                       ("batch", "mlp"))
@@ -553,10 +554,10 @@ class Model(nnx.Module):
     x, cache = self._extend(tokens, segment_pos, cache)
     x = x[:, -1]
     table = self.embedder.input_embedding.value
-    if not (self.cfg.resolved_decode_impl == "pallas" and dispatch.target_platform() != "tpu"
+    interpret = dispatch.triton_interpret()
+    if not (self.cfg.resolved_decode_impl == "pallas" and interpret is not None
             and greedy.worthwhile(x.shape[0], *table.shape)):
       return jnp.argmax(self._logits(x), axis=-1).astype(jnp.int32), cache
-    interpret = dispatch.target_platform() != "gpu"
 
     def local(x, table):  # per device under a mesh: rows over data, the vocabulary over model
       if greedy.worthwhile(x.shape[0], *table.shape):

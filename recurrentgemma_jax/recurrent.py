@@ -119,14 +119,14 @@ class RGLRU(nnx.Module):
 
   def _gate_kernel(self) -> bool:
     """Whether the gates run through ``pallas_kernels.gates``."""
-    return (self.gate_impl == "pallas" and dispatch.target_platform() != "tpu"
+    return (self.gate_impl == "pallas" and dispatch.triton_interpret() is not None
             and gates.supported(*self.input_gate.w.value.shape[1:]))
 
   def local_gates(self, x, w_x, w_a, b_x, b_a):
     """``gates`` on one device's shard of ``x`` and of the weights (no mesh handling)."""
     if self._gate_kernel():
       x, (gate_x, gate_a) = gates.block_diagonal_with_skip(
-          x, (w_x, w_a), (b_x, b_a), interpret=dispatch.target_platform() != "gpu")
+          x, (w_x, w_a), (b_x, b_a), interpret=dispatch.triton_interpret())
       return x, gate_x, gate_a
     return (x, layers.block_diagonal(x, w_x, b_x, self.dtype),
             layers.block_diagonal(x, w_a, b_a, self.dtype))
@@ -219,7 +219,7 @@ class RecurrentBlock(nnx.Module):
     """Whether a one-token step of ``rows`` rows may take ``pallas_kernels.rg_lru.decode``
     (``decode_step`` asks again per device under a mesh)."""
     w = self.rg_lru.input_gate.w.value
-    return (self.decode_impl == "pallas" and dispatch.target_platform() != "tpu"
+    return (self.decode_impl == "pallas" and dispatch.triton_interpret() is not None
             and decode_kernel.worthwhile(rows, w.shape[0] * w.shape[1], w.shape[0]))
 
   def decode_step(self, x, segment_pos, cache: RecurrentCache):
@@ -234,7 +234,7 @@ class RecurrentBlock(nnx.Module):
     def local(x, seg, w_x, w_a, b_x, b_a, a_param, h0):
       if decode_kernel.worthwhile(x.shape[0], x.shape[1], w_x.shape[0]):
         return decode_kernel.gates_update(x, seg, w_x, w_a, b_x, b_a, a_param, h0,
-                                          interpret=dispatch.target_platform() != "gpu")
+                                          interpret=dispatch.triton_interpret())
       # XLA's step on this device's rows, as RGLRU takes one token
       x, gate_x, gate_a = lru.local_gates(x[:, None], w_x, w_a, b_x, b_a)
       y, h = one_token_update(x, gate_x, gate_a, a_param, seg[:, None] == 0, h0)

@@ -98,9 +98,9 @@ def masked_cross_entropy(logits, targets, mask, logit_bound: float = 0.0,
   log-sum-exp also takes one pass (a running maximum); interpreted on a CPU, XLA's on a TPU. The
   model's ``resolved_loss_impl`` chooses.
   """
-  platform = dispatch.target_platform()
-  if impl == "pallas" and platform != "tpu" and not 0.0 < logit_bound <= MAX_LOGIT_BOUND:
-    losses = loss_kernels.cross_entropy(logits, targets, interpret=platform != "gpu")
+  interpret = dispatch.triton_interpret()
+  if impl == "pallas" and interpret is not None and not 0.0 < logit_bound <= MAX_LOGIT_BOUND:
+    losses = loss_kernels.cross_entropy(logits, targets, interpret=interpret)
     return jnp.sum(losses * mask), jnp.sum(mask)
   logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
   is_target = targets[..., None] == jax.lax.broadcasted_iota(targets.dtype, logits.shape,
