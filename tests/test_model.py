@@ -160,7 +160,7 @@ def test_config_errors_name_the_field():
 @pytest.mark.parametrize("low,high", [(0.9, 0.999), (0.99, 0.9999)])
 def test_rg_lru_decay_starts_in_the_configured_range(low, high):
   # a^c = exp(-c softplus(a_param)) uniform in [low, high] in every recurrent layer (the
-  # synthetic Selective Copying config starts with the longer memory, docs/synthetic.md).
+  # synthetic Selective Copying config starts Hawk with the longer memory, docs/synthetic.md).
   model = model_lib.init_model(tiny_config(family="hawk", lru_width=512, rg_lru_min_ac=low,
                                            rg_lru_max_ac=high), seed=3)
   from recurrentgemma_jax import recurrent  # pylint: disable=g-import-not-at-top
