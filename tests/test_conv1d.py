@@ -47,8 +47,10 @@ def documents(key, batch, length):
 
 
 @pytest.mark.parametrize("shape,width,dtype,tol", [
-    ((2, 64, 32), 4, jnp.float32, 1e-5),     # whole 32-row tiles
-    ((3, 37, 48), 4, jnp.float32, 1e-5),     # rows past T masked, 16-channel tiles
+    ((2, 64, 32), 4, jnp.float32, 1e-5),     # whole 16-row tiles, 32-channel programs
+    ((3, 37, 48), 4, jnp.float32, 1e-5),     # rows past T masked, 16-channel programs
+    ((1, 300, 64), 4, jnp.float32, 1e-5),    # two programs of 16 tiles along time, the second
+                                             # ending past T with tiles wholly outside it
     ((1, 3, 16), 4, jnp.float32, 1e-5),      # fewer tokens than taps
     ((2, 45, 64), 2, jnp.float32, 1e-5),     # two taps
     ((2, 50, 128), 4, jnp.bfloat16, 1e-2),

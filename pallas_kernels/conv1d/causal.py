@@ -12,14 +12,16 @@ Autodiff of that sum gave one multi-output XLA fusion per layer that read the ou
 and the input at each of the ``W`` shifts and reduced the tap gradients in bfloat16; on an H100
 it took 0.32 ms a layer at Griffin-400M's shape (plus 0.24 ms of follow-up passes) against 0.14 ms
 for its bytes (docs/bench/performance_log.md, session 15). The backward here is one Triton
-kernel over ``[rows, cols]`` tiles of one row ``b``: with ``u = t + s``,
+kernel; a program walks ``[rows, cols]`` tiles of one row ``b`` down the time axis: with
+``u = t + s``,
 
     dx[t]        = sum_s w[W-1-s] * dy[u] * [doc[u] == doc[t], u < T]
     dw[W-1-s]   += sum_t x[t] * dy[u] * [doc[u] == doc[t], u < T]
     db          += sum_t dy[t]
 
 so it reads ``x`` once, ``dy`` at ``W`` forward shifts of the same tile (cache hits), writes
-``dx`` and float32 partial sums of ``dw`` and ``db`` per tile, summed outside.
+``dx``, and keeps ``dw``'s and ``db``'s terms as float32 ``[rows, cols]`` sums in registers,
+reduced over the rows and written once a program, summed outside.
 
 ``interpret=True``: Pallas' interpreter (the CPU tests). ``backward_reference`` is the same
 backward in jnp (float32), the path where ``supported`` says no.
@@ -34,8 +36,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-_ROWS = 32                       # time rows per program
-_COLS = (128, 64, 32, 16)        # channels per program: the largest that divides D
+# A program: _STEPS tiles of _ROWS time rows, one after another, by _COLS channels. On an H200
+# 16 x 64 x 16 tiles took 0.210 / 0.149 / 0.208 ms at Griffin 400M's / 1.3B's / 400M-at-8192's
+# shapes, against 0.289 / 0.191 / 0.286 for one 32 x 128 tile a program with the tap sums
+# reduced per tile (docs/bench/performance_log.md, session 39).
+_ROWS = 16
+_STEPS = 16
+_COLS = (64, 32, 16)             # the largest that divides D
+_WARPS = 4
 
 
 def supported(d: int) -> bool:
@@ -92,46 +100,61 @@ def _index(i):  # a static index as an array (static ints trip the interpreter's
   return jnp.asarray(i, jnp.int32)
 
 
-def _bwd_kernel(dy_ref, x_ref, w_ref, doc_ref, dx_ref, part_ref, *, T, width, cols):
+def _bwd_kernel(dy_ref, x_ref, w_ref, doc_ref, dx_ref, part_ref, *, T, width, rows, cols,
+                steps):
   # Whole arrays in, no BlockSpecs: the rows a program reads overlap its neighbours' (the W
-  # shifts), so each load names its rows and masks those past T.
+  # shifts), so each load names its rows and masks those past T. A program walks ``steps`` tiles
+  # of ``rows`` down the time axis and keeps the tap and bias gradients as [rows, cols] sums in
+  # registers, reduced over the rows once at the end.
   f32 = jnp.float32
   b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  t0 = i * _ROWS
-  rows = t0 + jnp.arange(_ROWS)
   channels = pl.ds(j * cols, cols)
-  in_rows = rows < T
-  doc_t = plgpu.load(doc_ref.at[b, pl.ds(t0, _ROWS)], mask=in_rows, other=-2)
-  x_t = plgpu.load(x_ref.at[b, pl.ds(t0, _ROWS), channels], mask=in_rows[:, None],
-                   other=0.0).astype(f32)
-  dx = jnp.zeros((_ROWS, cols), f32)
+  taps = [plgpu.load(w_ref.at[_index(width - 1 - s), channels]).astype(f32)[None, :]
+          for s in range(width)]
+
+  def tile(k, sums):
+    t0 = (i * steps + k) * rows
+    at = t0 + jnp.arange(rows)
+    in_rows = at < T
+    doc_t = plgpu.load(doc_ref.at[b, pl.ds(t0, rows)], mask=in_rows, other=-2)
+    x_t = plgpu.load(x_ref.at[b, pl.ds(t0, rows), channels], mask=in_rows[:, None],
+                     other=0.0).astype(f32)
+    dx = jnp.zeros((rows, cols), f32)
+    new = []
+    for s in range(width):
+      ahead = (at + s) < T
+      doc_u = plgpu.load(doc_ref.at[b, pl.ds(t0 + s, rows)], mask=ahead, other=-3)
+      dy_u = plgpu.load(dy_ref.at[b, pl.ds(t0 + s, rows), channels], mask=ahead[:, None],
+                        other=0.0).astype(f32)
+      if s == 0:  # the bias: every row's dy once
+        db = sums[width] + dy_u
+      term = jnp.where(((doc_u == doc_t) & in_rows)[:, None], dy_u, 0.0)
+      dx += term * taps[s]
+      new.append(sums[s] + term * x_t)
+    plgpu.store(dx_ref.at[b, pl.ds(t0, rows), channels], dx.astype(dx_ref.dtype),
+                mask=in_rows[:, None])
+    return (*new, db)
+
+  zeros = tuple(jnp.zeros((rows, cols), f32) for _ in range(width + 1))
+  sums = jax.lax.fori_loop(0, steps, tile, zeros)
   for s in range(width):
-    ahead = (rows + s) < T
-    doc_u = plgpu.load(doc_ref.at[b, pl.ds(t0 + s, _ROWS)], mask=ahead, other=-3)
-    dy_u = plgpu.load(dy_ref.at[b, pl.ds(t0 + s, _ROWS), channels], mask=ahead[:, None],
-                      other=0.0).astype(f32)
-    if s == 0:  # the bias: every row's dy once
-      plgpu.store(part_ref.at[b, i, _index(width), channels], jnp.sum(dy_u, axis=0))
-    term = jnp.where(((doc_u == doc_t) & in_rows)[:, None], dy_u, 0.0)
-    tap = _index(width - 1 - s)
-    dx += term * plgpu.load(w_ref.at[tap, channels]).astype(f32)[None, :]
-    plgpu.store(part_ref.at[b, i, tap, channels], jnp.sum(term * x_t, axis=0))
-  plgpu.store(dx_ref.at[b, pl.ds(t0, _ROWS), channels], dx.astype(dx_ref.dtype),
-              mask=in_rows[:, None])
+    plgpu.store(part_ref.at[b, i, _index(width - 1 - s), channels], jnp.sum(sums[s], axis=0))
+  plgpu.store(part_ref.at[b, i, _index(width), channels], jnp.sum(sums[width], axis=0))
 
 
 def _backward_kernel(x, w, doc, dy, interpret):
   bsz, t, d = x.shape
   width = w.shape[0]
-  cols = next(c for c in _COLS if d % c == 0)
-  blocks = pl.cdiv(t, _ROWS)
+  rows, cols = _ROWS, next(c for c in _COLS if d % c == 0)
+  steps = min(_STEPS, pl.cdiv(t, rows))
+  blocks = pl.cdiv(t, rows * steps)
   dx, partials = pl.pallas_call(
-      functools.partial(_bwd_kernel, T=t, width=width, cols=cols),
+      functools.partial(_bwd_kernel, T=t, width=width, rows=rows, cols=cols, steps=steps),
       name="pallas_conv1d_bwd",
       out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype),
                  jax.ShapeDtypeStruct((bsz, blocks, width + 1, d), jnp.float32)),
       grid=(bsz, blocks, d // cols),
-      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4),
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=_WARPS),
       interpret=interpret,
   )(dy, x, w, doc)
   sums = partials.sum(axis=(0, 1))
