@@ -87,8 +87,8 @@ def get_config(arg=None):
     # Hawk's RG-LRU starts with longer memory than the paper's a^c in [0.9, 0.999]: with that
     # range Hawk stayed at chance at lengths 512, 768 and 1024 (to 100K steps at 1024); with a^c
     # in [0.99, 0.9999] it reached 99% within 100K (H100, docs/bench/synthetic_log.md, session
-    # 17). Griffin keeps the paper's range: with the longer one its median step to 90% was 2.5x
-    # as many (6000 against 2375-2750; sessions 18 and 39).
+    # 17). Griffin keeps the paper's range: with the longer one it took about twice the steps to
+    # 90% (one head: median 6000 against 2750, session 18).
     c.model.rg_lru_min_ac = 0.99
     c.model.rg_lru_max_ac = 0.9999
   return c
