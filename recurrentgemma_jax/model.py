@@ -400,10 +400,10 @@ class MLPBlock(nnx.Module):
     bias = self.ffw_up.b.value.astype(self.dtype)
     bias = bias.reshape(bias.shape[0], bias.shape[-1])
     up = jnp.einsum("btd,cdm->btcm", x, w)
-    if self.impl == "pallas" and mlp_kernels.supported(up.shape[-1]):
+    interpret = dispatch.triton_interpret()
+    if self.impl == "pallas" and interpret is not None and mlp_kernels.supported(up.shape[-1]):
       # Per device under a mesh (rows over ``data``, features over ``model``).
-      gating = functools.partial(mlp_kernels.gated_gelu,
-                                 interpret=dispatch.target_platform() != "gpu")
+      gating = functools.partial(mlp_kernels.gated_gelu, interpret=interpret)
       h = partitioning.shard_local(gating, (("batch", None, None, "mlp"), (None, "mlp")),
                                    ("batch", None, "mlp"))(up, bias)
       return self.ffw_down(h)

@@ -89,3 +89,22 @@ def test_gating_backward_lowers_for_a_gpu():
       return h, vjp(dh)
     text = helpers.lower_for_cuda(fwd_bwd, up, bias, dh)
     assert text.count("@__gpu$xla.gpu.triton") == 1, n
+
+
+def test_on_a_tpu_target_the_pallas_setting_takes_xla(monkeypatch):
+  # The kernel is Triton: compiled for a TPU, mlp_impl=pallas must take XLA's gating, not run
+  # the Triton kernel in Pallas' interpreter inside a TPU program.
+  from pallas_kernels import dispatch  # pylint: disable=g-import-not-at-top
+  cfg = model_lib.ModelConfig(family="mqa", vocab_size=41, width=32, num_layers=1, num_heads=2,
+                              mlp_expanded_width=48, dtype="float32", attention_impl="xla",
+                              norm_impl="xla", mlp_impl="xla")
+  tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 9), 0, 41)
+  pos = jnp.tile(jnp.arange(9), (2, 1))
+  want, _ = helpers.loss_grads_and_kernels(cfg, tokens, pos)[:2]
+  monkeypatch.setattr(dispatch, "target_platform", lambda: "tpu")
+  monkeypatch.setattr(model_lib.mlp_kernels, "gated_gelu",
+                      lambda *a, **k: pytest.fail("the Triton gating on a TPU target"))
+  got, _, kernels = helpers.loss_grads_and_kernels(
+      dataclasses.replace(cfg, mlp_impl="pallas"), tokens, pos)
+  assert kernels == 0
+  np.testing.assert_allclose(got, want, rtol=1e-6)
