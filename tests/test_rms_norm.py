@@ -33,6 +33,7 @@ def reference(x, scale, ds, dn):
     ((1,), 96, jnp.float32, 1e-5),        # one row; 3 chunks of 32 (D not a power of 2)
     ((2, 50), 80, jnp.bfloat16, 1e-2),
     ((5, 7), 20, jnp.float32, 1e-5),      # D not a multiple of 16: the jnp backward
+    ((19,), 2560, jnp.float32, 1e-5),     # Griffin 1.3B's width: 5 chunks of 512
 ])
 def test_rms_norm_with_skip_matches_float64(lead, d, dtype, tol):
   kx, ks, kd, kn = jax.random.split(jax.random.PRNGKey(d + sum(lead)), 4)
@@ -95,3 +96,15 @@ def test_a_model_with_the_norm_kernel_equals_xla_autodiff(family):
   assert cfg.resolved_norm_impl == "xla"  # auto: the kernel only on GPUs
   assert dataclasses.replace(cfg, norm_impl="triton").errors() == [
       "model.norm_impl='triton' is not one of auto|xla|pallas"]
+
+
+@pytest.mark.parametrize("d,warps", [(1536, 2), (2560, 2), (2048, 4), (48, 1)])
+def test_backward_lowers_for_a_gpu(d, warps):
+  # The Triton backward lowers for CUDA on this CPU machine (no GPU needed) at Griffin 400M's
+  # and 1.3B's widths, with 70 rows (the last program masked), at 8 bfloat16 a thread.
+  x = jax.ShapeDtypeStruct((70, d), jnp.bfloat16)
+  scale = jax.ShapeDtypeStruct((d,), jnp.float32)
+  text = helpers.lower_for_cuda(
+      lambda x, s, ds, dn: kernel._backward_kernel(x, s, ds, dn, EPS, False), x, scale, x, x)
+  assert text.count("@__gpu$xla.gpu.triton") == 1
+  assert f"num_warps = {warps} : i32" in text

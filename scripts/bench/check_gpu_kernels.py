@@ -117,10 +117,11 @@ def cases(tiny: bool):
   ce = lambda logits, targets: loss.cross_entropy(logits, targets, interpret=interpret)
   for n, v in ((70, 4352), (5, 512)) if tiny else ((2048, 32768), (131, 256000)):
     yield ("cross_entropy", ce, loss.reference, [("x", (n, v)), ("targets", (n, v))])
-  n, d = (70, 48) if tiny else (32768, 1536)                  # Griffin 400M's residual stream
+  # Griffin 400M's and 1.3B's residual streams
   norm = lambda x, scale: rms.rms_norm_with_skip(x, scale, eps=1e-6, interpret=interpret)
-  yield ("rms_norm", norm, lambda x, scale: (x, rms.forward(x, scale, 1e-6)),
-         [("x", (n, d)), ("param", (d,))])
+  for n, d in ((70, 48),) if tiny else ((32768, 1536), (16384, 2560)):
+    yield ("rms_norm", norm, lambda x, scale: (x, rms.forward(x, scale, 1e-6)),
+           [("x", (n, d)), ("param", (d,))])
 
 
 def make_inputs(specs, dtype, key):
