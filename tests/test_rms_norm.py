@@ -33,7 +33,7 @@ def reference(x, scale, ds, dn):
     ((1,), 96, jnp.float32, 1e-5),        # one row; 3 chunks of 32 (D not a power of 2)
     ((2, 50), 80, jnp.bfloat16, 1e-2),
     ((5, 7), 20, jnp.float32, 1e-5),      # D not a multiple of 16: the jnp backward
-    ((19,), 2560, jnp.float32, 1e-5),     # Griffin 1.3B's width: 5 chunks of 512
+    ((19,), 2560, jnp.float32, 1e-5),     # 5 chunks of 512 (not a multiple of 1024)
 ])
 def test_rms_norm_with_skip_matches_float64(lead, d, dtype, tol):
   kx, ks, kd, kn = jax.random.split(jax.random.PRNGKey(d + sum(lead)), 4)
@@ -98,10 +98,12 @@ def test_a_model_with_the_norm_kernel_equals_xla_autodiff(family):
       "model.norm_impl='triton' is not one of auto|xla|pallas"]
 
 
-@pytest.mark.parametrize("d,warps", [(1536, 2), (2560, 2), (2048, 4), (48, 1)])
+@pytest.mark.parametrize("d,warps", [(1536, 2), (2048, 4), (2560, 2), (48, 1)])
 def test_backward_lowers_for_a_gpu(d, warps):
-  # The Triton backward lowers for CUDA on this CPU machine (no GPU needed) at Griffin 400M's
-  # and 1.3B's widths, with 70 rows (the last program masked), at 8 bfloat16 a thread.
+  # The Triton backward lowers for CUDA on this CPU machine (no GPU needed) at the residual
+  # widths of Griffin 400M (1536) and 1.3B (2048), at 2560 (5 chunks) and a tiny one, with 70
+  # rows (the last program masked), each with the rule's warps (8 bfloat16 a thread, at least
+  # one warp).
   x = jax.ShapeDtypeStruct((70, d), jnp.bfloat16)
   scale = jax.ShapeDtypeStruct((d,), jnp.float32)
   text = helpers.lower_for_cuda(
