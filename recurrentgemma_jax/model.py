@@ -383,9 +383,9 @@ class MLPBlock(nnx.Module):
     # way, and the backward needs no transposes of [2, B, T, M] activations (measured on an
     # H100: they were 12% of a Griffin-1B step).
     w = self.ffw_up.w.value.astype(self.dtype)
+    interpret = dispatch.triton_interpret()  # None on a TPU target: XLA's gating there
     if x.shape[1] == 1:  # decoding, one token per row (``gated_up``'s layout)
       up = gated_up.reference
-      interpret = dispatch.triton_interpret()
       if (self.impl == "pallas" and interpret is not None
           and gated_up.worthwhile(x.shape[0], *w.shape[1:])):
         # One kernel that writes only the gated product, per device under a mesh where that
@@ -400,7 +400,6 @@ class MLPBlock(nnx.Module):
     bias = self.ffw_up.b.value.astype(self.dtype)
     bias = bias.reshape(bias.shape[0], bias.shape[-1])
     up = jnp.einsum("btd,cdm->btcm", x, w)
-    interpret = dispatch.triton_interpret()
     if self.impl == "pallas" and interpret is not None and mlp_kernels.supported(up.shape[-1]):
       # Per device under a mesh (rows over ``data``, features over ``model``).
       gating = functools.partial(mlp_kernels.gated_gelu, interpret=interpret)
