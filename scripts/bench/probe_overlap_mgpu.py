@@ -3,18 +3,22 @@
 MQA's decoding step runs its cache reads (memory-bound) and its matmuls (compute-bound) one
 after the other, because XLA runs one kernel at a time and each fills the GPU
 (docs/inference.md). This probe asks whether one warp-specialised kernel can run both at once on
-disjoint SMs: of a grid of one CTA per SM, CTAs [0, P) stream a bfloat16 buffer through a TMA
-ring and sum it (a stand-in for the decode attention's reads, without its arithmetic), and CTAs
-[P, G) run a persistent wgmma matmul over 128 x 256 tiles (two compute warpgroups of 128 x 128,
-one memory warpgroup issuing TMA loads). The split is static: each CTA's work is fixed at
-launch. Both outputs are checked against XLA's in the run.
+disjoint SMs. Reader work items stream a bfloat16 buffer through a TMA ring and sum it (a
+stand-in for the decode attention's reads, without its arithmetic); matmul work items are
+128 x 256 tiles of wgmma (two compute warpgroups of 128 x 128, one memory warpgroup issuing TMA
+loads). Both outputs are checked against XLA's in the run. Two ways to split the SMs:
 
-It prints, for each reader share P: the reader alone on P SMs, the fused kernel, cuBLAS followed
-by the reader on P SMs, and cuBLAS followed by the reader on every SM (the best sequence).
-Results: docs/bench/decode_log.md, session 41.
+- static (``--Ps``): one persistent CTA per SM, CTAs [0, P) read 1/P of the buffer each, the
+  others walk the matmul tiles;
+- dynamic (``--chunks C``): one CTA per work item, reader items of C tiles spread evenly among
+  the matmul tiles in launch order, so the hardware hands each SM the next item as it frees and
+  both kinds of work end at about the same time, whatever their speeds.
 
-    python scripts/bench/probe_overlap_mgpu.py --Ps 28,32,36,40 --stages 3x4
-    python scripts/bench/probe_overlap_mgpu.py --Ps 40,48,56,66 --stages 3x4 --buf_gib 2
+It prints each one alone, fused, and in sequence (cuBLAS, then the reader on every SM: the best
+sequence). Results: docs/bench/decode_log.md, session 41.
+
+    python scripts/bench/probe_overlap_mgpu.py --chunks 32,64 --Ps 28,32 --stages 3x4
+    python scripts/bench/probe_overlap_mgpu.py --chunks 32,64 --Ps 40,48 --stages 3x4 --buf_gib 2
     JAX_PLATFORMS=cpu python scripts/bench/probe_overlap_mgpu.py --interpret  # tiny, on the CPU
 
 ``--stages AxB``: A stages in the matmul's TMA ring, B in the reader's.
@@ -35,15 +39,23 @@ TM, TN, TK = 128, 256, 64  # CTA tile; each of the two compute warpgroups takes 
 RT, RC = 64, 256  # reader tile: rows x columns (TMA boxes stop at 256)
 
 
-def _fused(a, b, buf, *, G, P, mm_stages, rd_stages, interpret=False):
+def _fused(a, b, buf, *, G, P, mm_stages, rd_stages, chunk=None, interpret=False):
+  """``chunk=None``: G persistent CTAs, P of them readers (a static split). ``chunk=C``: one
+  CTA per work item, reader chunks of C tiles spread evenly among the matmul tiles in launch
+  order, so that the hardware hands each SM the next item as it frees (a dynamic split)."""
   do_mm, do_rd = a is not None, buf is not None
+  n_m = n_r = 0
   if do_mm:
     M, K = a.shape
     N = b.shape[1]
     m_iters, n_iters, k_iters = M // TM, N // TN, K // TK
+    n_m = m_iters * n_iters
   if do_rd:
     R = buf.shape[0]
-    per = R // (P * RT)  # reader tiles a reader CTA walks
+    per = R // (P * RT) if chunk is None else chunk  # reader tiles a reader CTA walks
+    n_r = P if chunk is None else R // (chunk * RT)
+  if chunk is not None:
+    G = n_r + n_m
   swz = plgpu.find_swizzle(TK * 16)
   tr = (plgpu.TilingTransform((8, swz // 2)), plgpu.SwizzleTransform(swz))
   out_swz = plgpu.find_swizzle(TN // 2 * 16)
@@ -58,6 +70,14 @@ def _fused(a, b, buf, *, G, P, mm_stages, rd_stages, interpret=False):
     sums_g = refs.pop(0) if do_rd else None
     cta = lax.axis_index("sm")
     wg = lax.axis_index("wg")
+    if chunk is None:
+      is_reader, slot = cta < P, cta
+      first, stop, step = cta - P, n_m, G - P
+    else:  # item i is a reader when the running count of readers, (i + 1) n_r / G, steps up
+      readers_to = (cta + 1) * n_r // G
+      slot = cta * n_r // G
+      is_reader = readers_to > slot
+      first, stop, step = cta - readers_to, cta - readers_to + 1, 1
 
     if do_rd:
       def rd_pipe(bd, ctx):
@@ -68,9 +88,9 @@ def _fused(a, b, buf, *, G, P, mm_stages, rd_stages, interpret=False):
             compute_context=ctx)
       ignore = lambda *_, **__: None
 
-      @pl.when(cta < P)
+      @pl.when(is_reader)
       def _reader():
-        mine = buf_g.at[pl.ds(cta * (per * RT), per * RT)]
+        mine = buf_g.at[pl.ds(slot * (per * RT), per * RT)]
 
         @functools.partial(pl.run_scoped,
                            allocs=rd_pipe(ignore, ignore).get_allocations(mine),
@@ -86,7 +106,7 @@ def _fused(a, b, buf, *, G, P, mm_stages, rd_stages, interpret=False):
             acc = run(jnp.zeros((RC // 2,), jnp.float32))
             res[wg] = acc
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(res.at[wg], sums_g.at[cta, wg])
+            plgpu.copy_smem_to_gmem(res.at[wg], sums_g.at[slot, wg])
             plgpu.wait_smem_to_gmem(0)
 
           rd_pipe(rd_body, ctx)(mine, allocations=allocs)
@@ -103,7 +123,7 @@ def _fused(a, b, buf, *, G, P, mm_stages, rd_stages, interpret=False):
             compute_context=ctx)
       ignore = lambda *_, **__: None
 
-      @pl.when(cta >= P)
+      @pl.when(jnp.logical_not(is_reader))
       def _matmul():
         @functools.partial(
             pl.run_scoped,
@@ -112,7 +132,7 @@ def _fused(a, b, buf, *, G, P, mm_stages, rd_stages, interpret=False):
             out_s=plgpu.SMEM((2, TM, TN // 2), out_g.dtype, transforms=out_tr),
             collective_axes="wg")
         def _scope(allocs, out_s):
-          @pl.loop(cta - P, m_iters * n_iters, step=G - P)
+          @pl.loop(first, stop, step=step)
           def _tile(t):
             mi, ni = t % m_iters, t // m_iters
             ms, ns = pl.ds(mi * TM, TM), pl.ds(ni * TN, TN)
@@ -141,7 +161,7 @@ def _fused(a, b, buf, *, G, P, mm_stages, rd_stages, interpret=False):
   if do_mm:
     outs.append(jax.ShapeDtypeStruct((M, N), a.dtype))
   if do_rd:
-    outs.append(jax.ShapeDtypeStruct((P, 2, RC // 2), jnp.float32))
+    outs.append(jax.ShapeDtypeStruct((n_r, 2, RC // 2), jnp.float32))
   kw = {}
   if interpret:
     from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=g-import-not-at-top
@@ -155,8 +175,8 @@ def _fused(a, b, buf, *, G, P, mm_stages, rd_stages, interpret=False):
   return f(*args)
 
 
-def fused(a, b, buf, G, P, mm_stages=4, rd_stages=4, interpret=False):
-  return _fused(a, b, buf, G=G, P=P, mm_stages=mm_stages, rd_stages=rd_stages,
+def fused(a, b, buf, G, P, mm_stages=3, rd_stages=4, chunk=None, interpret=False):
+  return _fused(a, b, buf, G=G, P=P, mm_stages=mm_stages, rd_stages=rd_stages, chunk=chunk,
                 interpret=interpret)
 
 
@@ -184,6 +204,7 @@ def main():
   p.add_argument("--Ps", default="16,24,32,48,66")
   p.add_argument("--stages", default="3x4,3x6,2x2")
   p.add_argument("--buf_gib", type=float, default=1.0)
+  p.add_argument("--chunks", default="", help="reader tiles a work item: the dynamic split")
   args = p.parse_args()
   k = jax.random.split(jax.random.key(0), 3)
   if args.interpret:
@@ -196,9 +217,10 @@ def main():
   buf = jax.random.normal(k[2], (R, RC), jnp.bfloat16)
   want = jnp.dot(a, b, preferred_element_type=jnp.float32)
   if args.interpret:
-    out, sums = fused(a, b, buf, G, P, mm_stages=2, rd_stages=2, interpret=True)
-    print("matmul err", float(jnp.abs(out.astype(jnp.float32) - want).max()))
-    print("sums err", float(jnp.abs(sums - reference_sums(buf, P)).max()))
+    for chunk in (None, 1):
+      out, sums = fused(a, b, buf, G, P, mm_stages=2, rd_stages=2, chunk=chunk, interpret=True)
+      print(f"chunk={chunk}: matmul err", float(jnp.abs(out.astype(jnp.float32) - want).max()),
+            "sums err", float(jnp.abs(sums - reference_sums(buf, sums.shape[0])).max()))
     return
   print(jax.devices()[0].device_kind, "SMs", G, "buffer GiB", buf.nbytes / 2**30)
   gemm = jax.jit(lambda a, b: jnp.dot(a, b))
@@ -219,6 +241,26 @@ def main():
   t_xred = timeit(rsum, buf)
   print(f"XLA reduction of the buffer {t_xred:.3f} ms ({buf.nbytes/t_xred/1e9:.2f} TB/s)")
   rd_all = jax.jit(lambda x: fused(None, None, x[: (R // (G * RT)) * G * RT], G, G))
+  mm_ref = jax.jit(lambda a, b: fused(a, b, None, G, 0))(a, b)[0]
+  for c in [int(c) for c in args.chunks.split(",") if c]:
+    bb = buf[: (R // (c * RT)) * c * RT]
+    try:
+      rd = jax.jit(lambda x, c=c: fused(None, None, x, G, 0, chunk=c))
+      serr = float(jnp.abs(rd(bb)[0] - reference_sums(bb, bb.shape[0] // (c * RT))).max())
+      t_rd = timeit(rd, bb)
+      mm = jax.jit(lambda a, b: fused(a, b, None, G, 0, chunk=c))
+      t_mm = timeit(mm, a, b)
+      fz = jax.jit(lambda a, b, x, c=c: fused(a, b, x, G, 0, chunk=c))
+      o2, s2 = fz(a, b, bb)
+      ok = bool(jnp.array_equal(o2, mm_ref)) and bool(jnp.allclose(s2, rd(bb)[0]))
+      t_fz = timeit(fz, a, b, bb)
+      t_seq_all = timeit(jax.jit(lambda a, b, x: (jnp.dot(a, b), rd_all(x))), a, b, buf)
+      print(f"[dynamic, {c} tiles a reader item] reader alone {t_rd:.3f} ms "
+            f"({bb.nbytes/t_rd/1e9:.2f} TB/s, err {serr:.2g}); matmul alone (a CTA a tile) "
+            f"{t_mm:.3f}; fused {t_fz:.3f} ms (outputs ok: {ok}); cuBLAS + reader on all "
+            f"SMs {t_seq_all:.3f}")
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"[dynamic, {c}] failed: {type(e).__name__}: {str(e)[:300]}")
   for st in args.stages.split(","):
     ms_, rs_ = map(int, st.split("x"))
     try:
