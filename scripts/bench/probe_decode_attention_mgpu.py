@@ -1,0 +1,152 @@
+"""Probe for issue #18 (a): MQA's decode attention on the tensor cores as a Mosaic GPU kernel.
+
+MQA's decoding step spends most of its time reading the KV cache through JAX's Triton decode
+kernel (docs/inference.md). This probe asks how fast a Hopper kernel can read it while doing
+the attention's arithmetic: one CTA per row, the row's query heads (16 at 1.3B) padded to
+wgmma's 64 rows, one compute warpgroup (q k^T and p v on the tensor cores, an online softmax in
+registers) and one memory warpgroup streaming the row's keys and values through a TMA ring.
+Full rows only: every row holds T keys (the model's decoding path reads each row's filled part,
+which this kernel does not do yet). Checked against a float32 reference in the run; timed
+beside the Triton kernel, a bare TMA reader of the same bytes (probe_overlap_mgpu.py) and the
+copy ceiling of a jitted ``x + 1``. Results: docs/bench/decode_log.md, session 41.
+
+    python scripts/bench/probe_decode_attention_mgpu.py
+"""
+import argparse
+import functools
+import math
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+QP = 64  # query rows a CTA: the heads, padded
+
+
+def mqa_decode(q, k, v, *, bk=128, stages=2):
+  """q [B, H, D] (H <= 64), k, v [B, T, D] -> [B, H, D]; softmax(q k^T) v, no scale."""
+  B, H, D = q.shape
+  T = k.shape[1]
+  qp = jnp.zeros((B, QP, D), q.dtype).at[:, :H].set(q)
+
+  def body(q_g, k_g, v_g, o_g, q_s, bar):
+    b = lax.axis_index("row")
+
+    def ctx(run):
+      plgpu.copy_gmem_to_smem(q_g.at[b], q_s, bar)
+      plgpu.barrier_wait(bar)
+      acc = jnp.zeros((QP, D), jnp.float32)
+      m = jnp.full((QP,), -jnp.inf, jnp.float32)
+      l = jnp.zeros((QP,), jnp.float32)
+      acc, m, l = run((acc, m, l))
+      acc = acc / lax.broadcast_in_dim(l, (QP, D), [0])
+      q_s[...] = acc.astype(q_s.dtype)  # the query tile is free now: the output goes through it
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_s, o_g.at[b])
+      plgpu.wait_smem_to_gmem(0)
+
+    def step(idxs, k_s, v_s, carry):
+      del idxs
+      acc, m, l = carry
+
+      def qk(ref):
+        plgpu.wgmma(ref, q_s, plgpu.transpose_ref(k_s, (1, 0)))
+        return ref[...]
+      s = pl.run_scoped(qk, plgpu.ACC((QP, bk), jnp.float32))
+      log2e = math.log2(math.e)
+      m_new = jnp.maximum(m, s.max(axis=1) * log2e)
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(s * log2e - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      l = l * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+      def pv(ref):
+        plgpu.wgmma(ref, p.astype(v_s.dtype), v_s)
+      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      return acc, m_new, l
+
+    pipe = plgpu.emit_pipeline_warp_specialized(
+        step, grid=(T // bk,), memory_registers=40,
+        in_specs=[plgpu.BlockSpec((bk, D), lambda i: (i, 0)),
+                  plgpu.BlockSpec((bk, D), lambda i: (i, 0))],
+        wg_axis="wg", num_compute_wgs=1, max_concurrent_steps=stages, compute_context=ctx)
+    pipe(k_g.at[b], v_g.at[b])
+
+  out = plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((B, QP, D), q.dtype), grid=(B,), grid_names=("row",),
+      num_threads=2, thread_name="wg",
+      scratch_types=(plgpu.SMEM((QP, D), q.dtype),
+                     plgpu.Barrier(num_barriers=1)),
+      compiler_params=plgpu.CompilerParams(approx_math=True,
+                                           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )(qp, k, v)
+  return out[:, :H]
+
+
+def reference(q, k, v):
+  s = jnp.einsum("bhd,btd->bht", q.astype(jnp.float32), k.astype(jnp.float32))
+  return jnp.einsum("bht,btd->bhd", jax.nn.softmax(s, -1), v.astype(jnp.float32))
+
+
+def timeit(f, *args, windows=7, calls=10):
+  jax.block_until_ready(f(*args))
+  ts = []
+  for _ in range(windows):
+    t = time.perf_counter()
+    for _ in range(calls):
+      out = f(*args)
+    jax.block_until_ready(out)
+    ts.append((time.perf_counter() - t) / calls * 1e3)
+  return statistics.median(ts)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--rows", type=int, default=1024)
+  ap.add_argument("--keys", type=int, default=2048)
+  args = ap.parse_args()
+  B, T, H, D = args.rows, args.keys, 16, 128
+  k0, k1, k2 = jax.random.split(jax.random.key(0), 3)
+  q = (jax.random.normal(k0, (B, H, D), jnp.float32) / D**0.5).astype(jnp.bfloat16)
+  k = jax.random.normal(k1, (B, T, D), jnp.bfloat16)
+  v = jax.random.normal(k2, (B, T, D), jnp.bfloat16)
+  want = reference(q, k, v)
+  nbytes = 2 * B * T * D * 2
+  x = jnp.zeros((1 << 29,), jnp.bfloat16)
+  ceiling = 2 * x.nbytes / timeit(jax.jit(lambda v: v + 1), x) / 1e9
+  print(f"{jax.devices()[0].device_kind}: copy ceiling (x + 1) {ceiling:.2f} TB/s; "
+        f"K+V {nbytes / 1e9:.2f} GB")
+  from jax.experimental.pallas.ops.gpu import decode_attention  # pylint: disable=g-import-not-at-top
+  lengths = jnp.full((B,), T, jnp.int32)
+  ours = jax.jit(lambda q, k, v: decode_attention.mqa(q, k, v, kv_seq_len=lengths, sm_scale=1.0,
+                                                      block_k=128, k_splits=T // 128))
+  print(f"Triton (ours) err {float(jnp.abs(ours(q, k, v).astype(jnp.float32) - want).max()):.3g}")
+  t = timeit(ours, q, k, v)
+  print(f"Triton decode_attention: {t:.3f} ms, {nbytes / t / 1e9:.2f} TB/s")
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import probe_overlap_mgpu as po  # pylint: disable=g-import-not-at-top
+  G = jax.devices()[0].core_count
+  R = (nbytes // 512) // (G * po.RT) * G * po.RT
+  buf = jnp.zeros((R, 256), jnp.bfloat16)
+  t = timeit(jax.jit(lambda x: po.fused(None, None, x, G, G)), buf)
+  print(f"bare TMA reader of {buf.nbytes / 1e9:.2f} GB on all SMs: {t:.3f} ms, "
+        f"{buf.nbytes / t / 1e9:.2f} TB/s")
+  for bk, st in [(128, 2), (64, 3), (64, 4)]:
+    try:
+      f = jax.jit(functools.partial(mqa_decode, bk=bk, stages=st))
+      err = float(jnp.abs(f(q, k, v).astype(jnp.float32) - want).max())
+      t = timeit(f, q, k, v)
+      print(f"Mosaic, {bk} keys a step, {st} stages: {t:.3f} ms, {nbytes / t / 1e9:.2f} TB/s, "
+            f"err {err:.3g}")
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"Mosaic {bk}, {st} failed: {type(e).__name__}: {str(e)[:400]}")
+
+
+if __name__ == "__main__":
+  main()
