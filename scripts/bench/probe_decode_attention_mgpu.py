@@ -15,16 +15,15 @@ copy ceiling of a jitted ``x + 1``. Results: docs/bench/decode_log.md, session 4
 import argparse
 import functools
 import math
-import os
-import statistics
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import probe_overlap_mgpu as po  # scripts/bench/
+import timing
 
 QP = 64  # query rows a CTA: the heads, padded
 
@@ -94,18 +93,6 @@ def reference(q, k, v):
   return jnp.einsum("bht,btd->bhd", jax.nn.softmax(s, -1), v.astype(jnp.float32))
 
 
-def timeit(f, *args, windows=7, calls=10):
-  jax.block_until_ready(f(*args))
-  ts = []
-  for _ in range(windows):
-    t = time.perf_counter()
-    for _ in range(calls):
-      out = f(*args)
-    jax.block_until_ready(out)
-    ts.append((time.perf_counter() - t) / calls * 1e3)
-  return statistics.median(ts)
-
-
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--rows", type=int, default=1024)
@@ -118,8 +105,7 @@ def main():
   v = jax.random.normal(k2, (B, T, D), jnp.bfloat16)
   want = reference(q, k, v)
   nbytes = 2 * B * T * D * 2
-  x = jnp.zeros((1 << 29,), jnp.bfloat16)
-  ceiling = 2 * x.nbytes / timeit(jax.jit(lambda v: v + 1), x) / 1e9
+  ceiling = timing.copy_ceiling(1 << 30) / 1e12  # TB/s
   print(f"{jax.devices()[0].device_kind}: copy ceiling (x + 1) {ceiling:.2f} TB/s; "
         f"K+V {nbytes / 1e9:.2f} GB")
   from jax.experimental.pallas.ops.gpu import decode_attention  # pylint: disable=g-import-not-at-top
@@ -127,21 +113,19 @@ def main():
   ours = jax.jit(lambda q, k, v: decode_attention.mqa(q, k, v, kv_seq_len=lengths, sm_scale=1.0,
                                                       block_k=128, k_splits=T // 128))
   print(f"Triton (ours) err {float(jnp.abs(ours(q, k, v).astype(jnp.float32) - want).max()):.3g}")
-  t = timeit(ours, q, k, v)
+  t = po.timeit(ours, q, k, v)
   print(f"Triton decode_attention: {t:.3f} ms, {nbytes / t / 1e9:.2f} TB/s")
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  import probe_overlap_mgpu as po  # pylint: disable=g-import-not-at-top
   G = jax.devices()[0].core_count
   R = (nbytes // 512) // (G * po.RT) * G * po.RT
   buf = jnp.zeros((R, 256), jnp.bfloat16)
-  t = timeit(jax.jit(lambda x: po.fused(None, None, x, G, G)), buf)
+  t = po.timeit(jax.jit(lambda x: po.fused(None, None, x, G, G)), buf)
   print(f"bare TMA reader of {buf.nbytes / 1e9:.2f} GB on all SMs: {t:.3f} ms, "
         f"{buf.nbytes / t / 1e9:.2f} TB/s")
   for bk, st in [(128, 2), (64, 3), (64, 4)]:
     try:
       f = jax.jit(functools.partial(mqa_decode, bk=bk, stages=st))
       err = float(jnp.abs(f(q, k, v).astype(jnp.float32) - want).max())
-      t = timeit(f, q, k, v)
+      t = po.timeit(f, q, k, v)
       print(f"Mosaic, {bk} keys a step, {st} stages: {t:.3f} ms, {nbytes / t / 1e9:.2f} TB/s, "
             f"err {err:.3g}")
     except Exception as e:  # pylint: disable=broad-except

@@ -26,14 +26,14 @@ sequence). Results: docs/bench/decode_log.md, session 41.
 
 import argparse
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import timing  # scripts/bench/
 
 TM, TN, TK = 128, 256, 64  # CTA tile; each of the two compute warpgroups takes 128 x 128
 RT, RC = 64, 256  # reader tile: rows x columns (TMA boxes stop at 256)
@@ -186,16 +186,9 @@ def reference_sums(buf, P):
   return x.sum(1)
 
 
-def timeit(f, *args, windows=7, calls=10):
-  jax.block_until_ready(f(*args))
-  ts = []
-  for _ in range(windows):
-    t = time.perf_counter()
-    for _ in range(calls):
-      out = f(*args)
-    jax.block_until_ready(out)
-    ts.append((time.perf_counter() - t) / calls * 1e3)
-  return statistics.median(ts)
+def timeit(f, *args):
+  """ms a call: the median of seven windows of ten back-to-back calls."""
+  return timing.time_fn(f, *args, iters=7, calls=10)
 
 
 def main():
