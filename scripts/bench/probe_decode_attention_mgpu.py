@@ -5,8 +5,8 @@ kernel (docs/inference.md). This probe asks how fast a Hopper kernel can read it
 the attention's arithmetic: one CTA per row, the row's query heads (16 at 1.3B) padded to
 wgmma's 64 rows, one compute warpgroup (q k^T and p v on the tensor cores, an online softmax in
 registers) and one memory warpgroup streaming the row's keys and values through a TMA ring.
-Full rows only: every row holds T keys (the model's decoding path reads each row's filled part,
-which this kernel does not do yet). Checked against a float32 reference in the run; timed
+``mqa_decode`` takes full rows (every row holds T keys); ``mqa_decode_ragged`` reads only each
+row's filled part, as the model's decoding path does (key splits and a combine). Checked against a float32 reference in the run; timed
 beside the Triton kernel, a bare TMA reader of the same bytes (probe_overlap_mgpu.py) and the
 copy ceiling of a jitted ``x + 1``. Results: docs/bench/decode_log.md, session 41.
 
@@ -88,8 +88,92 @@ def mqa_decode(q, k, v, *, bk=128, stages=2):
   return out[:, :H]
 
 
-def reference(q, k, v):
+def mqa_decode_ragged(q, k, v, lengths, *, bk=128, stages=2, split=512):
+  """The same over the first ``lengths[b]`` keys of each row: CTAs over (row, split of
+  ``split`` keys); a split past the row's length does nothing, and steps past it within a split
+  re-read the split's last filled tile (from L2) and are masked. Each split writes its 16 rows'
+  unnormalised output, running max and sum; XLA combines the splits."""
+  B, H, D = q.shape
+  T = k.shape[1]
+  S, per = T // split, split // bk
+  qp = jnp.zeros((B, QP, D), q.dtype).at[:, :H].set(q)
+  log2e = math.log2(math.e)
+
+  def body(len_g, q_g, k_g, v_g, o_g, ml_g, q_s, o_s, ml_s, bar):
+    b, sp = lax.axis_index("row"), lax.axis_index("split")
+    n = len_g[b]
+    last = (n - 1) // bk - sp * per  # the split's last tile that holds keys, if any
+
+    @pl.when(sp * split < n)
+    def _active():
+      def ctx(run):
+        plgpu.copy_gmem_to_smem(q_g.at[b], q_s, bar)
+        plgpu.barrier_wait(bar)
+        acc = jnp.zeros((QP, D), jnp.float32)
+        m = jnp.full((QP,), -jnp.inf, jnp.float32)
+        l = jnp.zeros((QP,), jnp.float32)
+        acc, m, l = run((acc, m, l))
+        o_s[...] = acc
+        ml_s[0] = m
+        ml_s[1] = l
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, H)], o_g.at[b, sp])
+        plgpu.copy_smem_to_gmem(ml_s, ml_g.at[b, sp])
+        plgpu.wait_smem_to_gmem(0)
+
+      def step(idxs, k_s, v_s, carry):
+        (i,) = idxs
+        acc, m, l = carry
+
+        def qk(ref):
+          plgpu.wgmma(ref, q_s, plgpu.transpose_ref(k_s, (1, 0)))
+          return ref[...]
+        s = pl.run_scoped(qk, plgpu.ACC((QP, bk), jnp.float32))
+        key = (plgpu.broadcasted_iota(jnp.int32, (QP, bk), 1, layout=plgpu.Layout.WGMMA)
+               + lax.broadcast_in_dim((sp * per + i) * bk, (QP, bk), ()))
+        s = jnp.where(key < lax.broadcast_in_dim(n, (QP, bk), ()), s,
+                      lax.broadcast_in_dim(jnp.float32(-jnp.inf), (QP, bk), ()))
+        m_new = jnp.maximum(m, s.max(axis=1) * log2e)
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s * log2e - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+        def pv(ref):
+          plgpu.wgmma(ref, p.astype(v_s.dtype), v_s)
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        return acc, m_new, l
+
+      tile = lambda i: (sp * per + jnp.minimum(i, last), 0)
+      pipe = plgpu.emit_pipeline_warp_specialized(
+          step, grid=(per,), memory_registers=40,
+          in_specs=[plgpu.BlockSpec((bk, D), tile), plgpu.BlockSpec((bk, D), tile)],
+          wg_axis="wg", num_compute_wgs=1, max_concurrent_steps=stages, compute_context=ctx)
+      pipe(k_g.at[b], v_g.at[b])
+
+  o, ml = plgpu.kernel(
+      body, out_type=(jax.ShapeDtypeStruct((B, S, H, D), jnp.float32),
+                      jax.ShapeDtypeStruct((B, S, 2, QP), jnp.float32)),
+      grid=(B, S), grid_names=("row", "split"), num_threads=2, thread_name="wg",
+      scratch_types=(plgpu.SMEM((QP, D), q.dtype), plgpu.SMEM((QP, D), jnp.float32),
+                     plgpu.SMEM((2, QP), jnp.float32), plgpu.Barrier(num_barriers=1)),
+      compiler_params=plgpu.CompilerParams(approx_math=True,
+                                           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )(lengths.astype(jnp.int32), qp, k, v)
+  active = (jnp.arange(S) * split < lengths[:, None])[:, :, None]  # [B, S, 1]
+  m = jnp.where(active, ml[:, :, 0, :H], -jnp.inf)  # inactive splits were never written
+  l = jnp.where(active, ml[:, :, 1, :H], 0.0)
+  o = jnp.where(active[..., None], o, 0.0)
+  top = m.max(axis=1, keepdims=True)
+  w = jnp.exp2(m - top)  # [B, S, H]
+  out = (o * w[..., None]).sum(1) / (l * w).sum(1)[..., None]
+  return out.astype(q.dtype)
+
+
+def reference(q, k, v, lengths=None):
   s = jnp.einsum("bhd,btd->bht", q.astype(jnp.float32), k.astype(jnp.float32))
+  if lengths is not None:
+    s = jnp.where(jnp.arange(k.shape[1]) < lengths[:, None, None], s, -jnp.inf)
   return jnp.einsum("bht,btd->bhd", jax.nn.softmax(s, -1), v.astype(jnp.float32))
 
 
@@ -130,6 +214,25 @@ def main():
             f"err {err:.3g}")
     except Exception as e:  # pylint: disable=broad-except
       print(f"Mosaic {bk}, {st} failed: {type(e).__name__}: {str(e)[:400]}")
+  # Each row's filled part: lengths uniform in [1, T] (a decode loop's average), then all full.
+  lengths = jax.random.randint(jax.random.key(1), (B,), 1, T + 1)
+  want_r = reference(q, k, v, lengths)
+  ours_r = jax.jit(lambda q, k, v, n: decode_attention.mqa(
+      q, k, v, kv_seq_len=n, sm_scale=1.0, block_k=128, k_splits=T // 128))
+  err_o = float(jnp.abs(ours_r(q, k, v, lengths).astype(jnp.float32) - want_r).max())
+  t_ours = po.timeit(ours_r, q, k, v, lengths)
+  print(f"ragged lengths, Triton decode_attention: {t_ours:.3f} ms (err {err_o:.3g})")
+  for bk, st, split in [(128, 2, 512), (128, 2, 1024), (128, 2, 2048)]:
+    try:
+      f = jax.jit(functools.partial(mqa_decode_ragged, bk=bk, stages=st, split=split))
+      err_r = float(jnp.abs(f(q, k, v, lengths).astype(jnp.float32) - want_r).max())
+      err_f = float(jnp.abs(f(q, k, v, jnp.full((B,), T)).astype(jnp.float32) - want).max())
+      t_r = po.timeit(f, q, k, v, lengths)
+      t_f = po.timeit(f, q, k, v, jnp.full((B,), T))
+      print(f"ragged Mosaic, {bk} keys a step, {st} stages, splits of {split}: ragged "
+            f"{t_r:.3f} ms (err {err_r:.3g}); full rows {t_f:.3f} ms (err {err_f:.3g})")
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"ragged {bk}, {st}, {split} failed: {type(e).__name__}: {str(e)[:600]}")
 
 
 if __name__ == "__main__":
