@@ -5,8 +5,9 @@ kernel (docs/inference.md). This probe asks how fast a Hopper kernel can read it
 the attention's arithmetic: one CTA per row, the row's query heads (16 at 1.3B) padded to
 wgmma's 64 rows, one compute warpgroup (q k^T and p v on the tensor cores, an online softmax in
 registers) and one memory warpgroup streaming the row's keys and values through a TMA ring.
-``mqa_decode`` takes full rows (every row holds T keys); ``mqa_decode_ragged`` reads only each
-row's filled part, as the model's decoding path does (key splits and a combine). Checked against a float32 reference in the run; timed
+``mqa_decode`` takes full rows (every row holds T keys); ``mqa_decode_ragged`` (key splits and a
+combine) and ``mqa_decode_rows`` (one warpgroup, a TMA ring bounded by the row's length) read
+only each row's filled part, as the model's decoding path does. Checked against a float32 reference in the run; timed
 beside the Triton kernel, a bare TMA reader of the same bytes (probe_overlap_mgpu.py) and the
 copy ceiling of a jitted ``x + 1``. Results: docs/bench/decode_log.md, session 41.
 
@@ -170,6 +171,75 @@ def mqa_decode_ragged(q, k, v, lengths, *, bk=128, stages=2, split=512):
   return out.astype(q.dtype)
 
 
+def mqa_decode_rows(q, k, v, lengths, *, bk=64, stages=3):
+  """Each row's filled part, one CTA a row: one warpgroup runs a hand-written TMA ring whose
+  loop stops at the row's last filled tile (no splits, no combine); the last tile is masked."""
+  B, H, D = q.shape
+  T = k.shape[1]
+  qp = jnp.zeros((B, QP, D), q.dtype).at[:, :H].set(q)
+  log2e = math.log2(math.e)
+
+  def body(len_g, q_g, k_g, v_g, o_g, q_s, k_s, v_s, loaded, q_bar):
+    b = lax.axis_index("row")
+    n = len_g[b]
+    nt = (n + bk - 1) // bk
+
+    def fetch(t, slot):
+      plgpu.copy_gmem_to_smem(k_g.at[b, pl.ds(t * bk, bk)], k_s.at[slot], loaded.at[slot])
+      plgpu.copy_gmem_to_smem(v_g.at[b, pl.ds(t * bk, bk)], v_s.at[slot], loaded.at[slot])
+
+    plgpu.copy_gmem_to_smem(q_g.at[b], q_s, q_bar)
+    lax.fori_loop(0, jnp.minimum(stages, nt), lambda t, _: fetch(t, t), None)
+    plgpu.barrier_wait(q_bar)
+
+    def step(t, carry):
+      acc, m, l = carry
+      slot = lax.rem(t, stages)
+      plgpu.barrier_wait(loaded.at[slot])
+
+      def qk(ref):
+        plgpu.wgmma(ref, q_s, plgpu.transpose_ref(k_s.at[slot], (1, 0)))
+        return ref[...]
+      s = pl.run_scoped(qk, plgpu.ACC((QP, bk), jnp.float32))
+      key = (plgpu.broadcasted_iota(jnp.int32, (QP, bk), 1, layout=plgpu.Layout.WGMMA)
+             + lax.broadcast_in_dim(t * bk, (QP, bk), ()))
+      s = jnp.where(key < lax.broadcast_in_dim(n, (QP, bk), ()), s,
+                    lax.broadcast_in_dim(jnp.float32(-jnp.inf), (QP, bk), ()))
+      m_new = jnp.maximum(m, s.max(axis=1) * log2e)
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(s * log2e - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      l = l * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+      def pv(ref):
+        plgpu.wgmma(ref, p.astype(v_s.dtype), v_s.at[slot])
+      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      plgpu.commit_smem()  # every thread is past this slot before it is refilled
+
+      @pl.when(t + stages < nt)
+      def _():
+        fetch(t + stages, slot)
+      return acc, m_new, l
+
+    init = (jnp.zeros((QP, D), jnp.float32), jnp.full((QP,), -jnp.inf, jnp.float32),
+            jnp.zeros((QP,), jnp.float32))
+    acc, _, l = lax.fori_loop(0, nt, step, init)
+    q_s[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(q_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_s, o_g.at[b])
+    plgpu.wait_smem_to_gmem(0)
+
+  out = plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((B, QP, D), q.dtype), grid=(B,), grid_names=("row",),
+      scratch_types=(plgpu.SMEM((QP, D), q.dtype), plgpu.SMEM((stages, bk, D), k.dtype),
+                     plgpu.SMEM((stages, bk, D), v.dtype),
+                     plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier()),
+      compiler_params=plgpu.CompilerParams(approx_math=True,
+                                           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )(lengths.astype(jnp.int32), qp, k, v)
+  return out[:, :H]
+
+
 def reference(q, k, v, lengths=None):
   s = jnp.einsum("bhd,btd->bht", q.astype(jnp.float32), k.astype(jnp.float32))
   if lengths is not None:
@@ -222,7 +292,18 @@ def main():
   err_o = float(jnp.abs(ours_r(q, k, v, lengths).astype(jnp.float32) - want_r).max())
   t_ours = po.timeit(ours_r, q, k, v, lengths)
   print(f"ragged lengths, Triton decode_attention: {t_ours:.3f} ms (err {err_o:.3g})")
-  for bk, st, split in [(128, 2, 512), (128, 2, 1024), (128, 2, 2048)]:
+  for bk, st in [(64, 3), (64, 2), (128, 2)]:
+    try:
+      f = jax.jit(functools.partial(mqa_decode_rows, bk=bk, stages=st))
+      err_r = float(jnp.abs(f(q, k, v, lengths).astype(jnp.float32) - want_r).max())
+      err_f = float(jnp.abs(f(q, k, v, jnp.full((B,), T)).astype(jnp.float32) - want).max())
+      t_r = po.timeit(f, q, k, v, lengths)
+      t_f = po.timeit(f, q, k, v, jnp.full((B,), T))
+      print(f"rows Mosaic (one warpgroup, length-bounded ring), {bk} keys a step, {st} stages: "
+            f"ragged {t_r:.3f} ms (err {err_r:.3g}); full rows {t_f:.3f} ms (err {err_f:.3g})")
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"rows {bk}, {st} failed: {type(e).__name__}: {str(e)[:600]}")
+  for bk, st, split in [(128, 2, 512)]:
     try:
       f = jax.jit(functools.partial(mqa_decode_ragged, bk=bk, stages=st, split=split))
       err_r = float(jnp.abs(f(q, k, v, lengths).astype(jnp.float32) - want_r).max())
