@@ -39,7 +39,7 @@ TM, TN, TK = 128, 256, 64  # CTA tile; each of the two compute warpgroups takes 
 RT, RC = 64, 256  # reader tile: rows x columns (TMA boxes stop at 256)
 
 
-def _fused(a, b, buf, *, G, P, mm_stages, rd_stages, chunk=None, interpret=False):
+def fused(a, b, buf, G, P, *, mm_stages=3, rd_stages=4, chunk=None, interpret=False):
   """``chunk=None``: G persistent CTAs, P of them readers (a static split). ``chunk=C``: one
   CTA per work item, reader chunks of C tiles spread evenly among the matmul tiles in launch
   order, so that the hardware hands each SM the next item as it frees (a dynamic split)."""
@@ -175,15 +175,21 @@ def _fused(a, b, buf, *, G, P, mm_stages, rd_stages, chunk=None, interpret=False
   return f(*args)
 
 
-def fused(a, b, buf, G, P, mm_stages=3, rd_stages=4, chunk=None, interpret=False):
-  return _fused(a, b, buf, G=G, P=P, mm_stages=mm_stages, rd_stages=rd_stages, chunk=chunk,
-                interpret=interpret)
-
-
 def reference_sums(buf, P):
   R = buf.shape[0]
   x = buf.astype(jnp.float32).reshape(P, R // P, 2, RC // 2)
   return x.sum(1)
+
+
+def measure(fz, rd, a, b, bb, mm_out):
+  """The reader alone (its sums against XLA's) and the fused kernel (both outputs against the
+  parts'): ``(t_reader, sums_err, t_fused, outputs_ok)``."""
+  sums = rd(bb)[0]
+  serr = float(jnp.abs(sums - reference_sums(bb, sums.shape[0])).max())
+  t_rd = timeit(rd, bb)
+  o2, s2 = fz(a, b, bb)
+  ok = bool(jnp.array_equal(o2, mm_out)) and bool(jnp.allclose(s2, sums))
+  return t_rd, serr, timeit(fz, a, b, bb), ok
 
 
 def timeit(f, *args):
@@ -234,20 +240,16 @@ def main():
   t_xred = timeit(rsum, buf)
   print(f"XLA reduction of the buffer {t_xred:.3f} ms ({buf.nbytes/t_xred/1e9:.2f} TB/s)")
   rd_all = jax.jit(lambda x: fused(None, None, x[: (R // (G * RT)) * G * RT], G, G))
+  seq_all = jax.jit(lambda a, b, x: (jnp.dot(a, b), rd_all(x)))  # the best sequence
   mm_ref = jax.jit(lambda a, b: fused(a, b, None, G, 0))(a, b)[0]
   for c in [int(c) for c in args.chunks.split(",") if c]:
     bb = buf[: (R // (c * RT)) * c * RT]
     try:
       rd = jax.jit(lambda x, c=c: fused(None, None, x, G, 0, chunk=c))
-      serr = float(jnp.abs(rd(bb)[0] - reference_sums(bb, bb.shape[0] // (c * RT))).max())
-      t_rd = timeit(rd, bb)
-      mm = jax.jit(lambda a, b: fused(a, b, None, G, 0, chunk=c))
-      t_mm = timeit(mm, a, b)
       fz = jax.jit(lambda a, b, x, c=c: fused(a, b, x, G, 0, chunk=c))
-      o2, s2 = fz(a, b, bb)
-      ok = bool(jnp.array_equal(o2, mm_ref)) and bool(jnp.allclose(s2, rd(bb)[0]))
-      t_fz = timeit(fz, a, b, bb)
-      t_seq_all = timeit(jax.jit(lambda a, b, x: (jnp.dot(a, b), rd_all(x))), a, b, buf)
+      t_rd, serr, t_fz, ok = measure(fz, rd, a, b, bb, mm_ref)
+      t_mm = timeit(jax.jit(lambda a, b, c=c: fused(a, b, None, G, 0, chunk=c)), a, b)
+      t_seq_all = timeit(seq_all, a, b, buf)
       print(f"[dynamic, {c} tiles a reader item] reader alone {t_rd:.3f} ms "
             f"({bb.nbytes/t_rd/1e9:.2f} TB/s, err {serr:.2g}); matmul alone (a CTA a tile) "
             f"{t_mm:.3f}; fused {t_fz:.3f} ms (outputs ok: {ok}); cuBLAS + reader on all "
@@ -271,24 +273,16 @@ def main():
       bb = buf[:R_]
       try:
         rd = jax.jit(lambda x, P=P: fused(None, None, x, P, P, rd_stages=rs_))
-        sums = rd(bb)[0]
-        serr = float(jnp.abs(sums - reference_sums(bb, P)).max())
-        t_rd = timeit(rd, bb)
         fz = jax.jit(lambda a, b, x, P=P: fused(a, b, x, G, P, mm_stages=ms_, rd_stages=rs_))
-        o2, s2 = fz(a, b, bb)
-        ok = bool(jnp.array_equal(o2, out)) and bool(jnp.allclose(s2, sums))
-        t_fz = timeit(fz, a, b, bb)
-        seq = jax.jit(lambda a, b, x, P=P: (jnp.dot(a, b), fused(None, None, x, P, P,
-                                                                  rd_stages=rs_)))
-        t_seq = timeit(seq, a, b, bb)
-        t_seq_all = timeit(jax.jit(lambda a, b, x: (jnp.dot(a, b), rd_all(x))), a, b, buf)
+        t_rd, serr, t_fz, ok = measure(fz, rd, a, b, bb, out)
+        t_seq = timeit(jax.jit(lambda a, b, x, rd=rd: (jnp.dot(a, b), rd(x))), a, b, bb)
+        t_seq_all = timeit(seq_all, a, b, buf)
         print(f"[{st}] P={P}: reader alone on P SMs {t_rd:.3f} ms "
               f"({bb.nbytes/t_rd/1e9:.2f} TB/s, err {serr:.2g}); fused {t_fz:.3f} ms "
               f"(outputs ok: {ok}); cuBLAS + reader {t_seq:.3f}; sum of parts "
               f"{t_cublas + t_rd:.3f}; cuBLAS + reader on all SMs {t_seq_all:.3f}")
       except Exception as e:  # pylint: disable=broad-except
         print(f"[{st}] P={P} failed: {type(e).__name__}: {str(e)[:300]}")
-  rd_all = jax.jit(lambda x: fused(None, None, x[: (R // (G * RT)) * G * RT], G, G))
   t = timeit(rd_all, buf)
   print(f"reader on all {G} SMs {t:.3f} ms ({(R // (G * RT)) * G * RT * RC * 2/t/1e9:.2f} TB/s)")
 
