@@ -10,7 +10,8 @@
 - ``loss``: the training loss's cross-entropy with a one-pass log-sum-exp (Triton GPU).
 - ``sampling``: greedy decoding's output layer and argmax in one kernel that never writes the
   logits (Triton GPU).
-- ``attention``: splash attention on TPU.
+- ``attention``: splash attention on TPU; MQA's decode attention on Hopper's tensor cores
+  (Mosaic GPU).
 - ``dispatch``: which kernel runs on which platform (the platform compiled for, not the host).
 """
 

@@ -78,3 +78,27 @@ def gla_path(kernels: str, key_dim: int, value_dim: int, chunk: int, dtype,
   if GLA_GPU_IMPL == "fact" and gpu.supported(key_dim, value_dim, chunk, dtype, interpret):
     return "gpu"
   return "gpu_xla"
+
+
+# The GPU decode attention over each row's filled cache slots: "auto" (Mosaic GPU on Hopper
+# where its shapes are supported, else Triton), "mosaic" or "triton"; the environment variable
+# is for benchmarks and debugging (the tests set this attribute).
+DECODE_ATTENTION_IMPL = os.environ.get("DECODE_ATTENTION_IMPL", "auto")
+
+
+def decode_attention_path(q_shape, cache_shape, dtype) -> str:
+  """``"mosaic"`` (pallas_kernels.attention.decode, tensor cores, Hopper only: wgmma) or
+  ``"triton"`` (JAX's Pallas GPU decode-attention kernel) for one query token per row against
+  a ``[B, S, H]`` cache. On a CPU target both run in their interpreters; "auto" takes Triton's,
+  which is faster there."""
+  from pallas_kernels.attention import decode  # pylint: disable=g-import-not-at-top
+  if DECODE_ATTENTION_IMPL not in ("auto", "mosaic", "triton"):
+    raise ValueError(f"DECODE_ATTENTION_IMPL={DECODE_ATTENTION_IMPL!r}: allowed auto, mosaic, "
+                     "triton")
+  supported = decode.problem(q_shape, cache_shape, dtype) is None
+  if DECODE_ATTENTION_IMPL == "triton" or not supported:
+    return "triton"
+  if DECODE_ATTENTION_IMPL == "mosaic":
+    return "mosaic"
+  hopper = target_platform() == "gpu" and int(gpu_capability() or 0) == 9
+  return "mosaic" if hopper else "triton"

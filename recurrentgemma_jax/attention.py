@@ -16,6 +16,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels import dispatch
+from pallas_kernels.attention import decode as decode_kernel
 from pallas_kernels.attention import splash_mqa
 from recurrentgemma_jax import layers
 from sharding import partitioning
@@ -237,13 +238,18 @@ DECODE_BLOCK = 128  # cached keys per program of the GPU decode kernel
 
 def length_bounded_attention(q, keys, values, lengths, scale):
   """One query token per row over the first ``lengths[b]`` cached keys of its row, reading
-  only the blocks of keys below that length: JAX's Pallas GPU decode-attention kernel
-  (``jax.experimental.pallas.ops.gpu.decode_attention``, run in its interpreter on a CPU).
-  q: [B, N, H]; keys, values: [B, S, H] with S a multiple of ``DECODE_BLOCK``; lengths: [B]."""
+  only the blocks of keys below that length (``dispatch.decode_attention_path``): our Mosaic
+  GPU kernel on Hopper (``pallas_kernels.attention.decode``), else JAX's Pallas GPU
+  decode-attention kernel (``jax.experimental.pallas.ops.gpu.decode_attention``); their
+  interpreters on a CPU. q: [B, N, H]; keys, values: [B, S, H] with S a multiple of
+  ``DECODE_BLOCK``; lengths: [B]."""
+  interpret = dispatch.target_platform() == "cpu"
+  if dispatch.decode_attention_path(q.shape, keys.shape, q.dtype) == "mosaic":
+    return decode_kernel.mqa_decode(q, keys, values, lengths, scale=scale, interpret=interpret)
   from jax.experimental.pallas.ops.gpu import decode_attention  # pylint: disable=g-import-not-at-top
   return decode_attention.mqa(q, keys, values, kv_seq_len=lengths, sm_scale=scale,
                               block_k=DECODE_BLOCK, k_splits=keys.shape[1] // DECODE_BLOCK,
-                              interpret=jax.default_backend() == "cpu")
+                              interpret=interpret)
 
 
 class MQAttention(nnx.Module):

@@ -352,6 +352,35 @@ def test_gpu_decode_kernel_gives_the_full_forward_logits(family):
                                atol=1e-6)
 
 
+def test_mosaic_decode_kernel_gives_the_full_forward_logits(monkeypatch):
+  """MQA's decoding through the tensor-core decode kernel (pallas_kernels.attention.decode, in
+  its interpreter; what Hopper GPUs run) gives the full forward's logits to bfloat16 rounding,
+  as the Triton kernel does."""
+  from pallas_kernels import dispatch  # pylint: disable=g-import-not-at-top
+  cfg = tiny_config(family="mqa", num_layers=2, width=128, num_heads=2, mlp_expanded_width=64,
+                    dtype="bfloat16", scan_layers=False)  # heads of 64: the kernel's smallest
+  model = perturbed(model_lib.init_model(cfg, seed=3), seed=4, scale=0.1)
+  rng = np.random.default_rng(6)
+  prompts = [list(rng.integers(0, 53, n)) for n in (7, 2, 4)]
+  attention = [b.temporal for b in model.blocks]
+  errors = {}
+  for kernel in ("triton", "mosaic"):
+    monkeypatch.setattr(dispatch, "DECODE_ATTENTION_IMPL", kernel)
+    jax.clear_caches()  # the setting is read when the decoding loop is traced
+    for module in attention:
+      module.impl = "cudnn"
+    out = sampling.sample(model, prompts, sampling.SamplingParams(max_new_tokens=5),
+                          return_logits=True)
+    for module in attention:
+      module.impl = "xla"
+    full = full_logits(model, [np.concatenate([p, t]) for p, t in zip(prompts, out.tokens)])
+    errors[kernel] = max(
+        float(np.abs(out.logits[row] - full[row, len(p) - 1: len(p) + 4]).max())
+        for row, p in enumerate(prompts))
+    bound = 2 * float(jnp.finfo(jnp.bfloat16).eps) * float(np.abs(full).max())
+  assert errors["mosaic"] <= bound and errors["triton"] <= bound, (errors, bound)
+
+
 def test_decode_profile_script_times_steps_from_filled_caches(tmp_path):
   """profile_decode.py: caches filled to a position (a global cache holds slots 0..p-1, a
   local ring the last window + 1 positions at p % size), then timed steps and the HLO."""

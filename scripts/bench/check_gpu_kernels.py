@@ -23,6 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels  # noqa: E402
+from pallas_kernels.attention import decode as decode_attention  # noqa: E402
 from pallas_kernels.conv1d import causal  # noqa: E402
 from pallas_kernels.gates import block_diagonal  # noqa: E402
 from pallas_kernels import loss  # noqa: E402
@@ -39,7 +40,9 @@ TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
 TOLERANCE_OVERRIDES = {("block_diagonal", "float32"): 1e-3, ("gates_with_skip", "float32"): 1e-3,
                        ("recurrent_decode_step", "float32"): 1e-3, ("gated_up", "float32"): 1e-3,
                        ("greedy_token", "float32"): 1e-3}
-FORWARD_ONLY = {"recurrent_decode_step", "gated_up", "greedy_token"}  # decoding: no gradients
+FORWARD_ONLY = {"recurrent_decode_step", "gated_up", "greedy_token",
+                "decode_attention"}  # decoding: no gradients
+DTYPES_ONLY = {"decode_attention": ("bfloat16",)}  # wgmma's 16-bit inputs
 
 
 def _greedy_maxima(x, table):
@@ -109,6 +112,14 @@ def cases(tiny: bool):
   up = lambda x, w, b: gated_up.gated_up(x, w, b, interpret=interpret)
   yield ("gated_up", up, gated_up.reference,
          [("x", (gn, gd)), ("gate_weight", (2, gd, gm)), ("param", (2, gm))])
+  # MQA 1.3B's decode attention: 16 heads of 128 over 2048 cache slots, each row's filled part
+  ab, aslots, an, ah = (3, 192, 5, 64) if tiny else (256, 2048, 16, 128)
+  attend = lambda q, k, v, n: decode_attention.mqa_decode(q, k, v, n, scale=ah**-0.5,
+                                                          interpret=interpret)
+  yield ("decode_attention", attend,
+         lambda q, k, v, n: decode_attention.reference(q, k, v, n, scale=ah**-0.5),
+         [("x", (ab, an, ah)), ("x", (ab, aslots, ah)), ("x", (ab, aslots, ah)),
+          ("lengths", (ab, aslots))])
   # a 1.3B model's output layer, 128 rows (the float64 reference on the host is the slow part)
   gn, gd, gv = (70, 64, 512) if tiny else (128, 2048, 65536)
   yield ("greedy_token", _greedy_maxima, lambda x, table: greedy.partials_reference(x, table)[0],
@@ -133,6 +144,9 @@ def make_inputs(specs, dtype, key):
       out.append(jnp.cumsum(jax.random.bernoulli(k, 0.02, shape), axis=-1, dtype=jnp.int32))
     elif kind == "targets":  # a target in [0, V) for each of the N rows of (N, V)
       out.append(jax.random.randint(k, shape[:-1], 0, shape[-1], jnp.int32))
+    elif kind == "lengths":  # (B, S): a filled length in [1, S] per row, both ends included
+      lengths = jax.random.randint(k, shape[:1], 1, shape[1] + 1, jnp.int32)
+      out.append(lengths.at[0].set(1).at[-1].set(shape[1]))
     elif kind == "positions":  # positions in the document, the first few included
       out.append(jax.random.randint(k, shape, 0, 6, jnp.int32))
     elif kind == "state":
@@ -219,6 +233,8 @@ def main():
     if args.only and name not in args.only.split(","):
       continue
     for dtype in args.dtypes.split(","):
+      if dtype not in DTYPES_ONLY.get(name, (dtype,)):
+        continue
       ok, detail = check(name, fn, ref, specs, dtype, jax.random.PRNGKey(n))
       failed += not ok
       shapes = " ".join("x".join(map(str, s)) for _, s in specs)
