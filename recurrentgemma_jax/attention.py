@@ -236,16 +236,19 @@ BAND_BLOCK = 256  # queries per block of banded local attention
 DECODE_BLOCK = 128  # cached keys per program of the GPU decode kernel
 
 
-def length_bounded_attention(q, keys, values, lengths, scale):
-  """One query token per row over the first ``lengths[b]`` cached keys of its row, reading
-  only the blocks of keys below that length (``dispatch.decode_attention_path``): our Mosaic
-  GPU kernel on Hopper (``pallas_kernels.attention.decode``), else JAX's Pallas GPU
-  decode-attention kernel (``jax.experimental.pallas.ops.gpu.decode_attention``); their
-  interpreters on a CPU. q: [B, N, H]; keys, values: [B, S, H] with S a multiple of
-  ``DECODE_BLOCK``; lengths: [B]."""
+def length_bounded_attention(q, keys, values, lengths, scale, window, kernel):
+  """One query token per row over its cached keys, reading only the filled blocks of the
+  cache, through ``kernel`` (``dispatch.decode_attention_path``): ``"mosaic"``, our Mosaic GPU
+  kernel for Hopper (``pallas_kernels.attention.decode``: global attention over the first
+  ``lengths[b]`` slots, or local attention over a ring), or ``"triton"``, JAX's Pallas GPU
+  decode-attention kernel (``jax.experimental.pallas.ops.gpu.decode_attention``, global
+  only); their interpreters on a CPU. q: [B, N, H]; keys, values: [B, S, H]; lengths: [B], the
+  document's tokens so far."""
   interpret = dispatch.target_platform() == "cpu"
-  if dispatch.decode_attention_path(q.shape, keys.shape, q.dtype) == "mosaic":
-    return decode_kernel.mqa_decode(q, keys, values, lengths, scale=scale, interpret=interpret)
+  if kernel == "mosaic":
+    return decode_kernel.mqa_decode(q, keys, values, lengths, scale=scale, window=window,
+                                    interpret=interpret)
+  assert window is None and keys.shape[1] % DECODE_BLOCK == 0, (window, keys.shape)
   from jax.experimental.pallas.ops.gpu import decode_attention  # pylint: disable=g-import-not-at-top
   return decode_attention.mqa(q, keys, values, kv_seq_len=lengths, sm_scale=scale,
                               block_k=DECODE_BLOCK, k_splits=keys.shape[1] // DECODE_BLOCK,
@@ -362,17 +365,19 @@ class MQAttention(nnx.Module):
     """One new token per row: written into the cache first, then attention over the cache
     alone. No copy of the cache is made: reading the old cache after updating it in place (or
     concatenating the new token to it, as ``_with_cache`` does) makes XLA copy the whole cache
-    every step. The ring buffer of local attention has ``window + 1`` slots, so the slot the
-    new token takes is one that has just left the window.
+    every step. The ring buffer of local attention has at least ``window + 1`` slots, so the
+    slot the new token takes is one that has already left the window.
 
-    A global cache holds position p of the current document at slot p, so on GPUs
-    (``impl == "cudnn"``) a decode kernel reads only the ``position + 1`` filled slots."""
+    A cache holds position p of the current document at slot ``p % size``, so on GPUs
+    (``impl == "cudnn"``) a decode kernel reads only the ``min(position + 1, size)`` filled
+    slots: global attention through either kernel, local attention through the Mosaic one."""
     new_cache = self._updated_cache(k, v, segment_pos, cache)
     keys, values = new_cache.keys.astype(q.dtype), new_cache.values.astype(q.dtype)
     scale = self.head_dim**-0.5
-    if self.window is None and self.impl == "cudnn" and keys.shape[1] % DECODE_BLOCK == 0:
+    kernel = self._decode_kernel(q.shape[0], keys.shape[1])
+    if kernel:
       attend = lambda q, keys, values, lengths: length_bounded_attention(
-          q, keys, values, lengths, scale)
+          q, keys, values, lengths, scale, self.window, kernel)
       bnh, bsh = ("batch", "heads", None), ("batch", None, None)
       encoded = partitioning.shard_local(attend, (bnh, bsh, bsh, ("batch",)), bnh)(
           q[:, 0], keys, values, segment_pos[:, 0] + 1)
@@ -413,11 +418,25 @@ class MQAttention(nnx.Module):
       mask &= segment_pos[:, :, None] <= key_pos[:, None, :] + self.window
     return keys, values, mask, self._updated_cache(k, v, segment_pos, cache)
 
+  def _decode_kernel(self, batch: int, size: int) -> str | None:
+    """The decode kernel that reads a cache of ``size`` slots in ``_decode_step`` (``"mosaic"``
+    or ``"triton"``), or None for XLA's attention over the whole cache."""
+    if self.impl != "cudnn":
+      return None
+    path = dispatch.decode_attention_path((batch, self.num_heads, self.head_dim),
+                                          (batch, size, self.head_dim), self.dtype)
+    if path == "mosaic" or self.window is None and size % DECODE_BLOCK == 0:
+      return path
+    return None
+
   def init_cache(self, batch_size: int, max_len: int, dtype) -> AttentionCache:
     """An empty cache: the window (and the new token) for local attention, ``max_len`` tokens
-    for global."""
+    for global; on GPUs, whole blocks of the decode kernels (``_decode_kernel``)."""
     size = max_len if self.window is None else min(self.window + 1, max_len)
-    if self.window is None and self.impl == "cudnn":  # whole blocks for the GPU decode kernel
+    if self.window is None and self.impl == "cudnn":  # whole blocks for the GPU decode kernels
       size = -(-max_len // DECODE_BLOCK) * DECODE_BLOCK
+    elif self.impl == "cudnn":  # a ring of whole blocks, if the Mosaic kernel is to read it
+      blocks = -(-size // decode_kernel.BLOCK_K) * decode_kernel.BLOCK_K
+      size = blocks if self._decode_kernel(batch_size, blocks) == "mosaic" else size
     zeros = jnp.zeros((batch_size, size, self.head_dim), dtype)
     return AttentionCache(zeros, zeros, jnp.full((batch_size, size), -1, jnp.int32))

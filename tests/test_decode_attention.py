@@ -10,36 +10,52 @@ from pallas_kernels import dispatch
 from pallas_kernels.attention import decode
 
 
-def reference64(q, keys, values, lengths, scale):
-  """softmax(scale q k^T) v over each row's first ``lengths[b]`` keys, in float64."""
+def reference64(q, keys, values, visible, scale):
+  """softmax(scale q k^T) v over the ``visible [B, S]`` keys of each row, in float64."""
   q, keys, values = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (q, keys, values))
   s = np.einsum("bnh,bsh->bns", q, keys) * scale
-  s = np.where(np.arange(keys.shape[1]) < np.asarray(lengths)[:, None, None], s, -np.inf)
+  s = np.where(visible[:, None], s, -np.inf)
   p = np.exp(s - s.max(-1, keepdims=True))
   return np.einsum("bns,bsh->bnh", p / p.sum(-1, keepdims=True), values)
 
 
-@pytest.mark.parametrize("batch,slots,heads,head_dim,dtype,block_k,stages", [
-    (4, 192, 5, 64, jnp.bfloat16, 64, 2),     # odd heads, padded to 64 query rows
-    (3, 320, 16, 128, jnp.float16, 64, 3),    # MQA 1.3B's heads, a 3-slot ring
-    (2, 256, 64, 64, jnp.bfloat16, 128, 2),   # no padding, 128 keys a slot
-    (3, 128, 1, 64, jnp.bfloat16, 64, 3),     # more ring slots than tiles
+def ring_visible(lengths, size, window):
+  """[B, S], from each slot's token: token p at slot p % S, the last S tokens kept; visible
+  if at most ``window`` tokens before the newest (any, for global attention)."""
+  visible = np.zeros((len(lengths), size), bool)
+  for b, n in enumerate(lengths):
+    for p in range(max(0, n - size), n):
+      visible[b, p % size] = window is None or n - 1 - p <= window
+  return visible
+
+
+@pytest.mark.parametrize("batch,slots,heads,head_dim,dtype,block_k,stages,window", [
+    (4, 192, 5, 64, jnp.bfloat16, 64, 2, None),    # odd heads, padded to 64 query rows
+    (3, 320, 16, 128, jnp.float16, 64, 3, None),   # MQA 1.3B's heads, a 3-slot ring
+    (2, 256, 64, 64, jnp.bfloat16, 128, 2, None),  # no padding, 128 keys a slot
+    (3, 128, 1, 64, jnp.bfloat16, 64, 3, None),    # more ring slots than tiles
+    (6, 192, 5, 64, jnp.bfloat16, 64, 2, 130),     # local: a ring of 192 slots, window 130
+    (4, 128, 3, 128, jnp.float16, 64, 3, 127),     # local: the smallest ring, window + 1 slots
 ])
-def test_mqa_decode_matches_float64(batch, slots, heads, head_dim, dtype, block_k, stages):
+def test_mqa_decode_matches_float64(batch, slots, heads, head_dim, dtype, block_k, stages, window):
   rng = np.random.default_rng(batch * slots + heads)
-  lengths = rng.integers(1, slots + 1, batch)
-  lengths[:3] = [1, slots, block_k + 1][:batch]  # one key; every slot; one past a tile
+  lengths = rng.integers(1, slots + 1 if window is None else 3 * slots, batch)
+  edge = [1, slots, block_k + 1] if window is None else [1, window + 2, slots + 5, 2 * slots]
+  lengths[:len(edge)] = edge[:batch]  # one key; every slot; one past a tile; rings wrapped
+  visible = ring_visible(lengths, slots, window)
   q = jnp.asarray(rng.normal(size=(batch, heads, head_dim)), dtype)
   keys = rng.normal(size=(batch, slots, head_dim))
   values = rng.normal(size=(batch, slots, head_dim))
-  past = np.arange(slots)[None, :, None] >= lengths[:, None, None]
-  keys = jnp.asarray(np.where(past, 30.0, keys), dtype)  # stale slots past the length: loud
-  values = jnp.asarray(np.where(past, 1e3, values), dtype)
+  hidden = ~visible[:, :, None]  # stale or out-of-window slots: loud if attended to
+  keys = jnp.asarray(np.where(hidden, 30.0, keys), dtype)
+  values = jnp.asarray(np.where(hidden, 1e3, values), dtype)
   scale = head_dim**-0.5
-  out = decode.mqa_decode(q, keys, values, jnp.asarray(lengths), scale=scale, block_k=block_k,
-                          stages=stages, interpret=True)
+  np.testing.assert_array_equal(decode.visible_slots(jnp.asarray(lengths), slots, window),
+                                visible)
+  out = decode.mqa_decode(q, keys, values, jnp.asarray(lengths), scale=scale, window=window,
+                          block_k=block_k, stages=stages, interpret=True)
   assert out.shape == q.shape and out.dtype == q.dtype
-  want = reference64(q, keys, values, lengths, scale)
+  want = reference64(q, keys, values, visible, scale)
   # the kernel's own rounding: p in the inputs' dtype before p v, the output rounded once
   eps = float(jnp.finfo(dtype).eps)
   np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=4 * eps, rtol=4 * eps)
@@ -55,6 +71,10 @@ def test_problem_names_what_it_cannot_take():
   with pytest.raises(ValueError, match="dtype float32"):
     decode.mqa_decode(x, jnp.zeros((2, 64, 64)), jnp.zeros((2, 64, 64)), jnp.ones(2, jnp.int32),
                       scale=1.0, interpret=True)
+  x, ring = x.astype(jnp.bfloat16), jnp.zeros((2, 64, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="a ring of 64 slots for a window of 64"):
+    decode.mqa_decode(x, ring, ring, jnp.ones(2, jnp.int32), scale=1.0, window=64,
+                      interpret=True)
 
 
 def test_decode_attention_path(monkeypatch):

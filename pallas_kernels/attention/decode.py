@@ -52,13 +52,21 @@ def _interpret_params():
   return params.InterpretGPUParams()
 
 
-def mqa_decode(q, keys, values, lengths, *, scale: float, block_k: int = BLOCK_K,
-               stages: int = STAGES, interpret: bool = False):
-  """``softmax(scale q k^T) v`` over each row's first ``lengths[b]`` (at least 1) cached keys.
+def mqa_decode(q, keys, values, lengths, *, scale: float, window: int | None = None,
+               block_k: int = BLOCK_K, stages: int = STAGES, interpret: bool = False):
+  """``softmax(scale q k^T) v`` over each row's cached keys of the current document.
+
+  ``lengths[b]`` (at least 1) is the document's tokens so far, the new one included; token p
+  sits at slot ``p % S``. Global attention (``window=None``, ``S >= lengths``): slots
+  ``0 .. lengths[b] - 1``. Local attention over a ring of S slots (``S > window``): the
+  filled slots whose token is at most ``window`` before the new one.
 
   q: [B, N, H]; keys, values: [B, S, H], S a multiple of ``block_k``; lengths: [B] int.
   Returns [B, N, H] in q's dtype."""
   b_, n, h = q.shape
+  size = keys.shape[1]
+  if window is not None and size <= window:
+    raise ValueError(f"mqa_decode: a ring of {size} slots for a window of {window} (more needed)")
   why = problem(q.shape, keys.shape, q.dtype)
   if why:
     raise ValueError(f"mqa_decode: unsupported {why}")
@@ -68,7 +76,9 @@ def mqa_decode(q, keys, values, lengths, *, scale: float, block_k: int = BLOCK_K
   def body(len_g, q_g, k_g, v_g, o_g, q_s, k_s, v_s, p_s, loaded, q_bar):
     b = lax.axis_index("row")
     length = len_g[b]
-    tiles = (length + block_k - 1) // block_k
+    filled = jnp.minimum(length, size)  # slots holding this document's tokens
+    newest = lax.rem(length - 1, size)  # the new token's slot
+    tiles = (filled + block_k - 1) // block_k
 
     def fetch(t, slot):
       keys_at = (k_g.at[b, :, pl.ds(t * block_k, block_k)] if interpret
@@ -96,8 +106,12 @@ def mqa_decode(q, keys, values, lengths, *, scale: float, block_k: int = BLOCK_K
         plgpu.wgmma(ref, q_s, k_t)
         return ref[...]
       s = pl.run_scoped(scores, plgpu.ACC((rows, block_k), jnp.float32))
-      visible = key_iota + lax.broadcast_in_dim(t * block_k, s.shape, ()) < (
-          lax.broadcast_in_dim(length, s.shape, ()))
+      slot_of = key_iota + lax.broadcast_in_dim(t * block_k, s.shape, ())
+      visible = slot_of < lax.broadcast_in_dim(filled, s.shape, ())
+      if window is not None:  # tokens back from the new one: (newest - slot) mod size
+        back = lax.broadcast_in_dim(newest, s.shape, ()) - slot_of
+        back = jnp.where(back < 0, back + lax.broadcast_in_dim(size, s.shape, ()), back)
+        visible &= back <= lax.broadcast_in_dim(window, s.shape, ())
       s = jnp.where(visible, s * c, lax.broadcast_in_dim(jnp.float32(-jnp.inf), s.shape, ()))
       m_new = jnp.maximum(m, s.max(axis=1))
       alpha = jnp.exp2(m - m_new)
@@ -145,9 +159,18 @@ def mqa_decode(q, keys, values, lengths, *, scale: float, block_k: int = BLOCK_K
   return out[:, :n]
 
 
-def reference(q, keys, values, lengths, *, scale: float):
+def visible_slots(lengths, size: int, window: int | None):
+  """[B, S]: the slots ``mqa_decode`` attends to."""
+  slot = jnp.arange(size)[None]
+  visible = slot < jnp.minimum(lengths, size)[:, None]
+  if window is not None:
+    visible &= (lengths[:, None] - 1 - slot) % size <= window
+  return visible
+
+
+def reference(q, keys, values, lengths, *, scale: float, window: int | None = None):
   """The same attention in XLA, in float32 (float64 for float64 inputs)."""
   wide = lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32))
   s = jnp.einsum("bnh,bsh->bns", wide(q), wide(keys)) * scale
-  s = jnp.where(jnp.arange(keys.shape[1]) < lengths[:, None, None], s, -jnp.inf)
+  s = jnp.where(visible_slots(lengths, keys.shape[1], window)[:, None], s, -jnp.inf)
   return jnp.einsum("bns,bsh->bnh", jax.nn.softmax(s, -1), wide(values))

@@ -112,14 +112,17 @@ def cases(tiny: bool):
   up = lambda x, w, b: gated_up.gated_up(x, w, b, interpret=interpret)
   yield ("gated_up", up, gated_up.reference,
          [("x", (gn, gd)), ("gate_weight", (2, gd, gm)), ("param", (2, gm))])
-  # MQA 1.3B's decode attention: 16 heads of 128 over 2048 cache slots, each row's filled part
-  ab, aslots, an, ah = (3, 192, 5, 64) if tiny else (256, 2048, 16, 128)
-  attend = lambda q, k, v, n: decode_attention.mqa_decode(q, k, v, n, scale=ah**-0.5,
-                                                          interpret=interpret)
-  yield ("decode_attention", attend,
-         lambda q, k, v, n: decode_attention.reference(q, k, v, n, scale=ah**-0.5),
-         [("x", (ab, an, ah)), ("x", (ab, aslots, ah)), ("x", (ab, aslots, ah)),
-          ("lengths", (ab, aslots))])
+  # decode attention, 16 heads of 128: MQA 1.3B's global cache of 2048 slots, each row's filled
+  # part; Griffin 1.3B's local ring (window 1024 in 1088 slots), rows past the ring's length
+  ab, an, ah = (3, 5, 64) if tiny else (256, 16, 128)
+  for slots, window in ((192, None), (128, 100)) if tiny else ((2048, None), (1088, 1024)):
+    attend = lambda q, k, v, n, w=window: decode_attention.mqa_decode(
+        q, k, v, n, scale=ah**-0.5, window=w, interpret=interpret)
+    ref = lambda q, k, v, n, w=window: decode_attention.reference(q, k, v, n, scale=ah**-0.5,
+                                                                  window=w)
+    yield ("decode_attention", attend, ref,
+           [("x", (ab, an, ah)), ("x", (ab, slots, ah)), ("x", (ab, slots, ah)),
+            ("lengths", (ab, slots if window is None else 3 * slots))])
   # a 1.3B model's output layer, 128 rows (the float64 reference on the host is the slow part)
   gn, gd, gv = (70, 64, 512) if tiny else (128, 2048, 65536)
   yield ("greedy_token", _greedy_maxima, lambda x, table: greedy.partials_reference(x, table)[0],
@@ -144,7 +147,7 @@ def make_inputs(specs, dtype, key):
       out.append(jnp.cumsum(jax.random.bernoulli(k, 0.02, shape), axis=-1, dtype=jnp.int32))
     elif kind == "targets":  # a target in [0, V) for each of the N rows of (N, V)
       out.append(jax.random.randint(k, shape[:-1], 0, shape[-1], jnp.int32))
-    elif kind == "lengths":  # (B, S): a filled length in [1, S] per row, both ends included
+    elif kind == "lengths":  # (B, L): a length in [1, L] per row, both ends included
       lengths = jax.random.randint(k, shape[:1], 1, shape[1] + 1, jnp.int32)
       out.append(lengths.at[0].set(1).at[-1].set(shape[1]))
     elif kind == "positions":  # positions in the document, the first few included
