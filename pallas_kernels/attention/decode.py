@@ -1,18 +1,20 @@
 """Multi-query decode attention on Hopper's tensor cores (Pallas Mosaic GPU).
 
-One new query token per row, its ``N`` heads against the row's first ``lengths[b]`` cached keys
-of the one key/value head. One CTA a row; one warpgroup runs a ring of ``stages`` TMA loads of
-``block_k`` keys and values and stops at the row's last filled tile, so a row reads only its
-filled part. The heads are padded to wgmma's 64 rows; ``q k^T`` and ``p v`` run on the tensor
-cores with an online softmax in registers (float32), the last tile masked past the length.
+One new query token per row, its ``N`` heads against the cached keys and values of the one
+key/value head: a global cache's first ``lengths[b]`` slots, or a local-attention ring masked to
+the window. One CTA a row; one warpgroup runs a ring of ``stages`` TMA loads of ``block_k`` keys
+and values and stops at the row's last filled tile, so a row reads only its filled part. The
+heads take the first of wgmma's 64 rows (loaded by TMA, no padded copy in HBM); ``q k^T`` and
+``p v`` run on the tensor cores with an online softmax in registers (float32), the tiles masked
+past the length and outside the window.
 
-On an H200 at MQA 1.3B's shape (1024 rows, 2048 slots, 16 heads of 128) it is 9% faster than
-JAX's Triton decode kernel over ragged lengths and at 108-115% of the ``x + 1`` copy ceiling over
-full rows (docs/bench/decode_log.md, sessions 41-42); ``dispatch`` picks it on Hopper GPUs.
+On an H200 at MQA 1.3B's shape (1024 rows, 2048 slots, 16 heads of 128) it takes 0.163-0.177 ms
+over ragged lengths against 0.206-0.212 for JAX's Triton decode kernel, 0.275 against 0.336-0.353
+over full rows (docs/kernels.md); ``dispatch.decode_attention_path`` picks it on Hopper GPUs.
 
 In Pallas' Mosaic GPU interpreter (the CPU tests) the keys go in transposed, ``[B, H, S]``,
-since the interpreter's wgmma takes no transposed operand; the ring, the length bound, the mask
-and the softmax are the same code.
+since the interpreter's wgmma takes no transposed operand; ``p`` goes through shared memory and
+the iota has no layout. The ring, the length bound, the masks and the softmax are the same code.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def mqa_decode(q, keys, values, lengths, *, scale: float, window: int | None = N
   if why:
     raise ValueError(f"mqa_decode: unsupported {why}")
   c = scale * math.log2(math.e)  # the softmax runs in base 2
+  heads = -(-n // 8) * 8  # rows of whole 8-row tiles in shared memory (padded in XLA if need be)
   rows = QUERY_ROWS
 
   def body(len_g, q_g, k_g, v_g, o_g, q_s, k_s, v_s, p_s, loaded, q_bar):
@@ -87,7 +90,9 @@ def mqa_decode(q, keys, values, lengths, *, scale: float, window: int | None = N
       plgpu.copy_gmem_to_smem(v_g.at[b, pl.ds(t * block_k, block_k)], v_s.at[slot],
                               loaded.at[slot])
 
-    plgpu.copy_gmem_to_smem(q_g.at[b], q_s, q_bar)
+    # The heads fill the first of the 64 query rows; the rest hold whatever shared memory
+    # held: every step is row by row (scores, softmax, p v), so they reach no real head.
+    plgpu.copy_gmem_to_smem(q_g.at[b], q_s.at[pl.ds(0, heads)], q_bar)
     lax.fori_loop(0, jnp.minimum(stages, tiles), lambda t, _: fetch(t, t), None)
     plgpu.barrier_wait(q_bar)
     if interpret:  # the interpreter has no layouts
@@ -139,12 +144,13 @@ def mqa_decode(q, keys, values, lengths, *, scale: float, window: int | None = N
                          jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32)))
     q_s[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(q_s.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_s, o_g.at[b])
+    plgpu.copy_smem_to_gmem(q_s.at[pl.ds(0, heads)], o_g.at[b])
     plgpu.wait_smem_to_gmem(0)
 
   key_tile = (h, block_k) if interpret else (block_k, h)
   kernel = plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((b_, rows, h), q.dtype), grid=(b_,), grid_names=("row",),
+      body, out_type=jax.ShapeDtypeStruct((b_, heads, h), q.dtype), grid=(b_,),
+      grid_names=("row",),
       scratch_types=(plgpu.SMEM((rows, h), q.dtype), plgpu.SMEM((stages, *key_tile), q.dtype),
                      plgpu.SMEM((stages, block_k, h), q.dtype),
                      plgpu.SMEM((rows, block_k), q.dtype),
@@ -152,9 +158,9 @@ def mqa_decode(q, keys, values, lengths, *, scale: float, window: int | None = N
       compiler_params=plgpu.CompilerParams(approx_math=True,
                                            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       **({"interpret": _interpret_params()} if interpret else {}))
-  padded = jnp.zeros((b_, rows, h), q.dtype).at[:, :n].set(q)
   keys = keys.astype(q.dtype)
-  out = kernel(lengths.astype(jnp.int32), padded, keys.swapaxes(1, 2) if interpret else keys,
+  q = jnp.pad(q, ((0, 0), (0, heads - n), (0, 0)))
+  out = kernel(lengths.astype(jnp.int32), q, keys.swapaxes(1, 2) if interpret else keys,
                values.astype(q.dtype))
   return out[:, :n]
 
