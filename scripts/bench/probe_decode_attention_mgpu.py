@@ -5,17 +5,20 @@ kernel (docs/inference.md). This probe asks how fast a Hopper kernel can read it
 the attention's arithmetic: one CTA per row, the row's query heads (16 at 1.3B) padded to
 wgmma's 64 rows, one compute warpgroup (q k^T and p v on the tensor cores, an online softmax in
 registers) and one memory warpgroup streaming the row's keys and values through a TMA ring.
-``mqa_decode`` takes full rows (every row holds T keys); ``mqa_decode_rows`` (one warpgroup, a
-TMA ring bounded by the row's length) reads only each row's filled part, as the model's
-decoding path does. Checked against a float32 reference in the run; timed
+``mqa_decode`` takes full rows (every row holds T keys); the ragged rows (each row's filled part,
+as decoding reads it) go through the model's kernel, ``pallas_kernels.attention.decode`` (one
+warpgroup, a TMA ring bounded by the row's length), which began here as session 41's
+``mqa_decode_rows``. Checked against a float32 reference in the run; timed
 beside the Triton kernel, a bare TMA reader of the same bytes (probe_overlap_mgpu.py) and the
-copy ceiling of a jitted ``x + 1``. Results: docs/bench/decode_log.md, session 41.
+copy ceiling of a jitted ``x + 1``. Results: docs/bench/decode_log.md, sessions 41-42.
 
     python scripts/bench/probe_decode_attention_mgpu.py
 """
 import argparse
 import functools
 import math
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +28,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import probe_overlap_mgpu as po  # scripts/bench/
 import timing
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from pallas_kernels.attention import decode  # noqa: E402  pylint: disable=g-import-not-at-top
 
 QP = 64  # query rows a CTA: the heads, padded
 LOG2E = math.log2(math.e)
@@ -37,9 +43,8 @@ def _empty_state(D):
           jnp.zeros((QP,), jnp.float32))
 
 
-def _attend(q_s, k_s, v_s, state, valid=None):
-  """One key tile into the online softmax: ``q k^T`` and ``p v`` by wgmma. ``valid = (first,
-  n)`` masks the tile's keys from index ``first`` at or past ``n``."""
+def _attend(q_s, k_s, v_s, state):
+  """One key tile into the online softmax: ``q k^T`` and ``p v`` by wgmma."""
   acc, m, l = state
   bk = k_s.shape[0]
 
@@ -47,12 +52,6 @@ def _attend(q_s, k_s, v_s, state, valid=None):
     plgpu.wgmma(ref, q_s, plgpu.transpose_ref(k_s, (1, 0)))
     return ref[...]
   s = pl.run_scoped(qk, plgpu.ACC((QP, bk), jnp.float32))
-  if valid is not None:
-    first, n = valid
-    key = (plgpu.broadcasted_iota(jnp.int32, (QP, bk), 1, layout=plgpu.Layout.WGMMA)
-           + lax.broadcast_in_dim(first, (QP, bk), ()))
-    s = jnp.where(key < lax.broadcast_in_dim(n, (QP, bk), ()), s,
-                  lax.broadcast_in_dim(jnp.float32(-jnp.inf), (QP, bk), ()))
   m_new = jnp.maximum(m, s.max(axis=1) * LOG2E)
   alpha = jnp.exp2(m - m_new)
   p = jnp.exp2(s * LOG2E - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -113,49 +112,6 @@ def mqa_decode(q, k, v, *, bk=128, stages=2):
   return out[:, :H]
 
 
-def mqa_decode_rows(q, k, v, lengths, *, bk=64, stages=3):
-  """Each row's filled part, one CTA a row: one warpgroup runs a hand-written TMA ring whose
-  loop stops at the row's last filled tile (no splits, no combine); the last tile is masked."""
-  B, H, D = q.shape
-
-  def body(len_g, q_g, k_g, v_g, o_g, q_s, k_s, v_s, loaded, q_bar):
-    b = lax.axis_index("row")
-    n = len_g[b]
-    nt = (n + bk - 1) // bk
-
-    def fetch(t, slot):
-      plgpu.copy_gmem_to_smem(k_g.at[b, pl.ds(t * bk, bk)], k_s.at[slot], loaded.at[slot])
-      plgpu.copy_gmem_to_smem(v_g.at[b, pl.ds(t * bk, bk)], v_s.at[slot], loaded.at[slot])
-
-    plgpu.copy_gmem_to_smem(q_g.at[b], q_s, q_bar)
-    lax.fori_loop(0, jnp.minimum(stages, nt), lambda t, _: fetch(t, t), None)
-    plgpu.barrier_wait(q_bar)
-
-    def step(t, state):
-      slot = lax.rem(t, stages)
-      plgpu.barrier_wait(loaded.at[slot])
-      state = _attend(q_s, k_s.at[slot], v_s.at[slot], state, valid=(t * bk, n))
-      plgpu.commit_smem()  # every thread is past this slot before it is refilled
-
-      @pl.when(t + stages < nt)
-      def _():
-        fetch(t + stages, slot)
-      return state
-
-    acc, _, l = lax.fori_loop(0, nt, step, _empty_state(D))
-    _write_out(acc, l, q_s, o_g.at[b])
-
-  out = plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((B, QP, D), q.dtype), grid=(B,), grid_names=("row",),
-      scratch_types=(plgpu.SMEM((QP, D), q.dtype), plgpu.SMEM((stages, bk, D), k.dtype),
-                     plgpu.SMEM((stages, bk, D), v.dtype),
-                     plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier()),
-      compiler_params=plgpu.CompilerParams(approx_math=True,
-                                           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-  )(lengths.astype(jnp.int32), _pad_heads(q), k, v)
-  return out[:, :H]
-
-
 def reference(q, k, v, lengths=None):
   s = jnp.einsum("bhd,btd->bht", q.astype(jnp.float32), k.astype(jnp.float32))
   if lengths is not None:
@@ -207,17 +163,15 @@ def main():
   err_o = float(jnp.abs(ours(q, k, v, lengths).astype(jnp.float32) - want_r).max())
   t_ours = po.timeit(ours, q, k, v, lengths)
   print(f"ragged lengths, Triton decode_attention: {t_ours:.3f} ms (err {err_o:.3g})")
-  for bk, st in [(64, 3), (64, 2), (128, 2)]:
-    try:
-      f = jax.jit(functools.partial(mqa_decode_rows, bk=bk, stages=st))
-      err_r = float(jnp.abs(f(q, k, v, lengths).astype(jnp.float32) - want_r).max())
-      err_f = float(jnp.abs(f(q, k, v, full).astype(jnp.float32) - want).max())
-      t_r = po.timeit(f, q, k, v, lengths)
-      t_f = po.timeit(f, q, k, v, full)
-      print(f"rows Mosaic (one warpgroup, length-bounded ring), {bk} keys a step, {st} stages: "
-            f"ragged {t_r:.3f} ms (err {err_r:.3g}); full rows {t_f:.3f} ms (err {err_f:.3g})")
-    except Exception as e:  # pylint: disable=broad-except
-      print(f"rows {bk}, {st} failed: {type(e).__name__}: {str(e)[:600]}")
+  for bk, st in [(64, 2), (64, 3), (128, 2)]:
+    f = jax.jit(functools.partial(decode.mqa_decode, scale=1.0, block_k=bk, stages=st))
+    err_r = float(jnp.abs(f(q, k, v, lengths).astype(jnp.float32) - want_r).max())
+    err_f = float(jnp.abs(f(q, k, v, full).astype(jnp.float32) - want).max())
+    t_r = po.timeit(f, q, k, v, lengths)
+    t_f = po.timeit(f, q, k, v, full)
+    print(f"pallas_kernels.attention.decode, {bk} keys a step, {st} stages: "
+          f"ragged {t_r:.3f} ms (err {err_r:.3g}); full rows {t_f:.3f} ms (err {err_f:.3g})")
+
 
 if __name__ == "__main__":
   main()
