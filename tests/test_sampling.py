@@ -352,16 +352,16 @@ def test_gpu_decode_kernel_gives_the_full_forward_logits(family):
                                atol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["mqa", "griffin"])
-def test_mosaic_decode_kernel_gives_the_full_forward_logits(family, monkeypatch):
+@pytest.mark.parametrize("family,window", [("mqa", 3), ("griffin", 3), ("griffin", 100)])
+def test_mosaic_decode_kernel_gives_the_full_forward_logits(family, window, monkeypatch):
   """Decoding through the tensor-core decode kernel (pallas_kernels.attention.decode, in its
   interpreter; what Hopper GPUs run) gives the full forward's logits to bfloat16 rounding, as
   the Triton kernel (global attention) or XLA (local) does; local attention reads a ring of
-  whole key blocks, masked to the window."""
+  whole key blocks, masked to the window (or a cache shorter than the window)."""
   from pallas_kernels import dispatch  # pylint: disable=g-import-not-at-top
   from pallas_kernels.attention import decode  # pylint: disable=g-import-not-at-top
   cfg = tiny_config(family=family, num_layers=3, width=128, num_heads=2, lru_width=64,
-                    mlp_expanded_width=64, dtype="bfloat16",
+                    mlp_expanded_width=64, dtype="bfloat16", attention_window_size=window,
                     scan_layers=False)  # heads of 64: the kernel's smallest
   model = perturbed(model_lib.init_model(cfg, seed=3), seed=4, scale=0.1)
   rng = np.random.default_rng(6)
@@ -378,7 +378,8 @@ def test_mosaic_decode_kernel_gives_the_full_forward_logits(family, monkeypatch)
         model.init_cache(3, 9), is_leaf=lambda c: isinstance(c, attention_lib.AttentionCache))
              if isinstance(c, attention_lib.AttentionCache)}
     # global: whole blocks of the Triton kernel; local: window + 1, or a ring of Mosaic blocks
-    assert sizes == {128 if family == "mqa" else 4 if kernel == "triton" else decode.BLOCK_K}
+    local = min(window + 1, 9)  # the window and the new token, or the whole cache
+    assert sizes == {128 if family == "mqa" else local if kernel == "triton" else decode.BLOCK_K}
     out = sampling.sample(model, prompts, sampling.SamplingParams(max_new_tokens=5),
                           return_logits=True)
     for module in attention:

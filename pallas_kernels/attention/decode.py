@@ -59,16 +59,15 @@ def mqa_decode(q, keys, values, lengths, *, scale: float, window: int | None = N
   """``softmax(scale q k^T) v`` over each row's cached keys of the current document.
 
   ``lengths[b]`` (at least 1) is the document's tokens so far, the new one included; token p
-  sits at slot ``p % S``. Global attention (``window=None``, ``S >= lengths``): slots
-  ``0 .. lengths[b] - 1``. Local attention over a ring of S slots (``S > window``): the
-  filled slots whose token is at most ``window`` before the new one.
+  sits at slot ``p % S``, the last S tokens kept. Global attention (``window=None``,
+  ``S >= lengths``): slots ``0 .. lengths[b] - 1``. Local attention over a ring of S slots:
+  the filled slots whose token is at most ``window`` before the new one (all of them when
+  ``S <= window``, a cache shorter than the window).
 
   q: [B, N, H]; keys, values: [B, S, H], S a multiple of ``block_k``; lengths: [B] int.
   Returns [B, N, H] in q's dtype."""
   b_, n, h = q.shape
   size = keys.shape[1]
-  if window is not None and size <= window:
-    raise ValueError(f"mqa_decode: a ring of {size} slots for a window of {window} (more needed)")
   why = problem(q.shape, keys.shape, q.dtype)
   if why:
     raise ValueError(f"mqa_decode: unsupported {why}")
