@@ -72,6 +72,10 @@ def test_problem_names_what_it_cannot_take():
   with pytest.raises(ValueError, match="dtype float32"):
     decode.mqa_decode(x, jnp.zeros((2, 64, 64)), jnp.zeros((2, 64, 64)), jnp.ones(2, jnp.int32),
                       scale=1.0, interpret=True)
+  x, ring = x.astype(jnp.bfloat16), jnp.zeros((2, 192, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="192 cache slots for block_k=128"):
+    decode.mqa_decode(x, ring, ring, jnp.ones(2, jnp.int32), scale=1.0, block_k=128,
+                      interpret=True)
 
 
 

@@ -69,6 +69,8 @@ def mqa_decode(q, keys, values, lengths, *, scale: float, window: int | None = N
   b_, n, h = q.shape
   size = keys.shape[1]
   why = problem(q.shape, keys.shape, q.dtype)
+  if not why and size % block_k:
+    why = f"{size} cache slots for block_k={block_k}"
   if why:
     raise ValueError(f"mqa_decode: unsupported {why}")
   c = scale * math.log2(math.e)  # the softmax runs in base 2
