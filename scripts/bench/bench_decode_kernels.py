@@ -29,7 +29,17 @@ Rows (defaults: Hawk 1.3B's recurrent block at 2048 rows, bfloat16):
   columns x K step x warps x stages), with the fraction of rows on which the two agree. FLOP
   floor: ``2 B D V`` over the peak.
 
-``--only recurrent,mlp,greedy`` picks the groups of rows.
+- decode attention, one token per row against a cache of one key/value head: JAX's Triton
+  kernel (the model's path on GPUs before Hopper) and XLA's masked attention over the whole
+  cache (the model's path for local attention there) against
+  ``pallas_kernels.attention.decode.mqa_decode`` with each ``--attention_tiles`` entry (keys a
+  ring slot x slots). MQA 1.3B's global cache (``--attention_rows`` rows of ``--cache`` slots,
+  16 heads of 128) with ragged lengths (uniform in [1, cache], a decoding run's average) and
+  full; Griffin 1.3B's local ring (``--batch`` rows, ``--window`` 1024: 1025 slots for XLA,
+  rounded up to whole 64-key blocks for the kernel), full. Bytes floor: the visible keys and
+  values read once over the copy ceiling.
+
+``--only recurrent,mlp,greedy,attention`` picks the groups of rows.
 
 ``--tiny``: small shapes, interpreted, for a CPU check of the script.
 """
@@ -68,7 +78,12 @@ def main():
   parser.add_argument("--vocab", type=int, default=256_000)
   parser.add_argument("--greedy_tiles",
                       default="128x256x64x8x3,128x128x64x8x3,128x256x64x8x4,256x128x64x8x3")
-  parser.add_argument("--only", default="recurrent,mlp,greedy")
+  parser.add_argument("--attention_rows", type=int, default=1024)
+  parser.add_argument("--cache", type=int, default=2048)
+  parser.add_argument("--window", type=int, default=1024)
+  parser.add_argument("--attention_tiles", default="64x2,64x3,128x2",
+                      help="keys a ring slot x slots")
+  parser.add_argument("--only", default="recurrent,mlp,greedy,attention")
   parser.add_argument("--iters", type=int, default=5, help="timed loops (median)")
   parser.add_argument("--steps", type=int, default=50, help="steps a timed loop")
   parser.add_argument("--tiny", action="store_true")
@@ -77,6 +92,7 @@ def main():
     args.batch, args.width, args.lru_width, args.gate_blocks, args.mlp = 5, 64, 64, 2, 128
     args.step_tiles, args.mlp_tiles, args.iters, args.steps = "32x4x32", "64x64x64x4x2", 1, 2
     args.vocab, args.greedy_tiles = 512, "16x256x64x4x2"
+    args.attention_rows, args.cache, args.window, args.attention_tiles = 3, 128, 100, "64x2"
   only = set(args.only.split(","))
   b, d, e, m = args.batch, args.width, args.lru_width, args.mlp
   dt = jnp.bfloat16
@@ -202,6 +218,8 @@ def main():
               f"{str(err).splitlines()[0][:150]} | | |", flush=True)
   if "greedy" in only:
     greedy_rows(row, per_step, xm[:, 0], args.vocab, peak, args.greedy_tiles, interpret)
+  if "attention" in only:
+    attention_rows(row, per_step, args, ceiling, interpret)
 
 
 def greedy_rows(row, per_step, x, vocab, peak, greedy_tiles, interpret):
@@ -246,6 +264,68 @@ def greedy_rows(row, per_step, x, vocab, peak, greedy_tiles, interpret):
     except Exception as err:  # pylint: disable=broad-except
       print(f"| greedy token | kernel, tile {tile} | error: "
             f"{str(err).splitlines()[0][:150]} | | |", flush=True)
+
+
+def attention_rows(row, per_step, args, ceiling, interpret):
+  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas.ops.gpu import decode_attention as triton
+  from pallas_kernels.attention import decode as decode_attention
+  from recurrentgemma_jax import attention
+  heads, head = (3, 64) if args.tiny else (16, 128)
+  scale = head**-0.5
+
+  class Cache(nnx.Module):  # per_step splits a module: the cache is its loop-invariant state
+    def __init__(self, keys, values, lengths):
+      self.keys, self.values = nnx.Variable(keys), nnx.Variable(values)
+      self.lengths = nnx.Variable(lengths)
+
+  def body(attend):  # the output is the next query, so no step is hoisted out of the loop
+    return lambda c, q: q + (attend(c.keys[...], c.values[...], c.lengths[...], q)
+                             * 1e-3).astype(q.dtype)
+
+  def cache(rows, slots, key):
+    k1, k2 = jax.random.split(key)
+    return (jax.random.normal(k1, (rows, slots, head), jnp.bfloat16),
+            jax.random.normal(k2, (rows, slots, head), jnp.bfloat16))
+
+  def kernels(work, module, q, floor, window):
+    for tile in args.attention_tiles.split(","):
+      block_k, stages = map(int, tile.split("x"))
+      mosaic = lambda k, v, n, q, b=block_k, st=stages: decode_attention.mqa_decode(
+          q, k, v, n, scale=scale, window=window, block_k=b, stages=st, interpret=interpret)
+      try:
+        row(work, f"Mosaic GPU, {block_k} keys a slot, {stages} slots",
+            per_step(body(mosaic), module, q), floor)
+      except Exception as err:  # pylint: disable=broad-except
+        print(f"| {work} | Mosaic GPU, tile {tile} | error: "
+              f"{str(err).splitlines()[0][:150]} | | |", flush=True)
+
+  b, t = args.attention_rows, args.cache
+  keys, values = cache(b, t, jax.random.PRNGKey(7))
+  q = jax.random.normal(jax.random.PRNGKey(8), (b, heads, head), jnp.bfloat16)
+  ragged = jax.random.randint(jax.random.PRNGKey(9), (b,), 1, t + 1)
+  for name, lengths in (("ragged", ragged), ("full", jnp.full((b,), t, jnp.int32))):
+    module = Cache(keys, values, lengths)
+    work = f"decode attention, {b} rows x {t} slots, {name}"
+    floor = float(jnp.sum(lengths)) * head * 4 / ceiling * 1e3  # keys and values, bfloat16
+    block = next(k for k in (128, 64, 32, 16) if t % k == 0)
+    tri = lambda k, v, n, q: triton.mqa(q, k, v, kv_seq_len=n, sm_scale=scale, block_k=block,
+                                        k_splits=t // block, interpret=interpret)
+    row(work, "Triton (JAX's decode_attention)", per_step(body(tri), module, q), floor)
+    kernels(work, module, q, floor, None)
+  # a local ring, full: XLA's attention over window + 1 slots against the kernel's whole blocks
+  b, w = args.batch, args.window
+  ring = -(-(w + 1) // decode_attention.BLOCK_K) * decode_attention.BLOCK_K
+  keys, values = cache(b, ring, jax.random.PRNGKey(10))
+  q = jax.random.normal(jax.random.PRNGKey(11), (b, heads, head), jnp.bfloat16)
+  lengths = jnp.full((b,), 4 * ring, jnp.int32)  # wrapped many times
+  work = f"local attention, {b} rows, window {w}"
+  floor = b * (w + 1) * head * 4 / ceiling * 1e3
+  xla = lambda k, v, n, q: attention._masked_attention(  # pylint: disable=protected-access
+      q[:, None], k[:, :w + 1], v[:, :w + 1], jnp.ones((1, 1, 1, w + 1), bool), scale)[:, 0]
+  module = Cache(keys, values, lengths)
+  row(work, f"XLA over the {w + 1}-slot ring", per_step(body(xla), module, q), floor)
+  kernels(work, module, q, floor, w)
 
 
 if __name__ == "__main__":
