@@ -355,9 +355,10 @@ def test_gpu_decode_kernel_gives_the_full_forward_logits(family):
 @pytest.mark.parametrize("family,window", [("mqa", 3), ("griffin", 3), ("griffin", 100)])
 def test_mosaic_decode_kernel_gives_the_full_forward_logits(family, window, monkeypatch):
   """Decoding through the tensor-core decode kernel (pallas_kernels.attention.decode, in its
-  interpreter; what Hopper GPUs run) gives the full forward's logits to bfloat16 rounding, as
-  the Triton kernel (global attention) or XLA (local) does; local attention reads a ring of
-  whole key blocks, masked to the window (or a cache shorter than the window)."""
+  interpreter; what Hopper GPUs run) gives the full forward's logits within two bfloat16
+  roundings of the largest logit (the Triton kernel's error in the same setting: 0.06 of 0.20);
+  local attention reads a ring of whole key blocks, masked to the window (or a cache shorter
+  than the window)."""
   from pallas_kernels import dispatch  # pylint: disable=g-import-not-at-top
   from pallas_kernels.attention import decode  # pylint: disable=g-import-not-at-top
   cfg = tiny_config(family=family, num_layers=3, width=128, num_heads=2, lru_width=64,
@@ -368,28 +369,23 @@ def test_mosaic_decode_kernel_gives_the_full_forward_logits(family, window, monk
   prompts = [list(rng.integers(0, 53, n)) for n in (7, 2, 4)]
   attention = [b.temporal for b in model.blocks if hasattr(b.temporal, "window")]
   assert attention
-  errors = {}
-  for kernel in ("triton", "mosaic"):
-    monkeypatch.setattr(dispatch, "DECODE_ATTENTION_IMPL", kernel)
-    jax.clear_caches()  # the setting is read when the decoding loop is traced
-    for module in attention:
-      module.impl = "cudnn"
-    sizes = {c.keys.shape[-2] for c in jax.tree.leaves(
-        model.init_cache(3, 9), is_leaf=lambda c: isinstance(c, attention_lib.AttentionCache))
-             if isinstance(c, attention_lib.AttentionCache)}
-    # global: whole blocks of the Triton kernel; local: window + 1, or a ring of Mosaic blocks
-    local = min(window + 1, 9)  # the window and the new token, or the whole cache
-    assert sizes == {128 if family == "mqa" else local if kernel == "triton" else decode.BLOCK_K}
-    out = sampling.sample(model, prompts, sampling.SamplingParams(max_new_tokens=5),
-                          return_logits=True)
-    for module in attention:
-      module.impl = "xla"
-    full = full_logits(model, [np.concatenate([p, t]) for p, t in zip(prompts, out.tokens)])
-    errors[kernel] = max(
-        float(np.abs(out.logits[row] - full[row, len(p) - 1: len(p) + 4]).max())
-        for row, p in enumerate(prompts))
-    bound = 2 * float(jnp.finfo(jnp.bfloat16).eps) * float(np.abs(full).max())
-  assert errors["mosaic"] <= bound and errors["triton"] <= bound, (errors, bound)
+  monkeypatch.setattr(dispatch, "DECODE_ATTENTION_IMPL", "mosaic")
+  jax.clear_caches()  # the setting is read when the decoding loop is traced
+  for module in attention:
+    module.impl = "cudnn"
+  sizes = {c.keys.shape[-2] for c in jax.tree.leaves(
+      model.init_cache(3, 9), is_leaf=lambda c: isinstance(c, attention_lib.AttentionCache))
+           if isinstance(c, attention_lib.AttentionCache)}
+  assert sizes == {128 if family == "mqa" else decode.BLOCK_K}  # whole blocks of both kernels
+  out = sampling.sample(model, prompts, sampling.SamplingParams(max_new_tokens=5),
+                        return_logits=True)
+  for module in attention:
+    module.impl = "xla"
+  full = full_logits(model, [np.concatenate([p, t]) for p, t in zip(prompts, out.tokens)])
+  error = max(float(np.abs(out.logits[row] - full[row, len(p) - 1: len(p) + 4]).max())
+              for row, p in enumerate(prompts))
+  bound = 2 * float(jnp.finfo(jnp.bfloat16).eps) * float(np.abs(full).max())
+  assert error <= bound, (error, bound)
 
 
 def test_decode_profile_script_times_steps_from_filled_caches(tmp_path):
