@@ -78,7 +78,6 @@ def test_problem_names_what_it_cannot_take():
                       interpret=True)
 
 
-
 def test_decode_attention_path(monkeypatch):
   """auto: Triton's interpreter on a CPU (Mosaic only on Hopper GPUs); a shape or dtype the
   Mosaic kernel cannot take goes to Triton even when asked for; a bad setting is named."""

@@ -268,7 +268,6 @@ def greedy_rows(row, per_step, x, vocab, peak, greedy_tiles, interpret):
 
 def attention_rows(row, per_step, args, ceiling, interpret):
   # pylint: disable=g-import-not-at-top
-  from jax.experimental.pallas.ops.gpu import decode_attention as triton
   from pallas_kernels.attention import decode as decode_attention
   from recurrentgemma_jax import attention
   heads, head = (3, 64) if args.tiny else (16, 128)
@@ -308,9 +307,7 @@ def attention_rows(row, per_step, args, ceiling, interpret):
     module = Cache(keys, values, lengths)
     work = f"decode attention, {b} rows x {t} slots, {name}"
     floor = float(jnp.sum(lengths)) * head * 4 / ceiling * 1e3  # keys and values, bfloat16
-    block = next(k for k in (128, 64, 32, 16) if t % k == 0)
-    tri = lambda k, v, n, q: triton.mqa(q, k, v, kv_seq_len=n, sm_scale=scale, block_k=block,
-                                        k_splits=t // block, interpret=interpret)
+    tri = lambda k, v, n, q: attention.length_bounded_attention(q, k, v, n, scale, None, "triton")
     row(work, "Triton (JAX's decode_attention)", per_step(body(tri), module, q), floor)
     kernels(work, module, q, floor, None)
   # a local ring, full: XLA's attention over window + 1 slots against the kernel's whole blocks
