@@ -102,3 +102,22 @@ def decode_attention_path(q_shape, cache_shape, dtype) -> str:
     return "mosaic"
   hopper = target_platform() == "gpu" and int(gpu_capability() or 0) == 9
   return "mosaic" if hopper else "triton"
+
+
+# The decoding MLP's ``gated_up`` kernel: "auto" (Mosaic GPU on Hopper where it applies, else
+# Triton), "mosaic" or "triton"; for benchmarks and debugging, as DECODE_ATTENTION_IMPL.
+GATED_UP_IMPL = os.environ.get("GATED_UP_IMPL", "auto")
+
+
+def gated_up_path(width: int, expanded: int, dtype) -> str:
+  """``"mosaic"`` (wgmma, Hopper only) or ``"triton"`` for ``pallas_kernels.mlp.gated_up``. On
+  a CPU target both run in their interpreters; "auto" takes Triton's, which is faster there."""
+  from pallas_kernels.mlp import gated_up  # pylint: disable=g-import-not-at-top
+  if GATED_UP_IMPL not in ("auto", "mosaic", "triton"):
+    raise ValueError(f"GATED_UP_IMPL={GATED_UP_IMPL!r}: allowed auto, mosaic, triton")
+  if GATED_UP_IMPL == "triton" or gated_up.mosaic_problem(width, expanded, dtype):
+    return "triton"
+  if GATED_UP_IMPL == "mosaic":
+    return "mosaic"
+  hopper = target_platform() == "gpu" and int(gpu_capability() or 0) == 9
+  return "mosaic" if hopper else "triton"

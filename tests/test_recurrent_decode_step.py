@@ -135,28 +135,58 @@ def test_gates_update_lowers_for_a_gpu(width, blocks):
       assert text.count("@__gpu$xla.gpu.triton") == 1 and "pallas_gated_up" in text
 
 
-@pytest.mark.parametrize("n,d,m,dtype", [
-    (5, 128, 192, jnp.float32),    # 64 columns a tile (192 is no multiple of 128), K steps of 32
-    (130, 64, 64, jnp.bfloat16),   # two row tiles, the second padded
-    (20, 64, 256, jnp.bfloat16),   # 128 columns a tile, 32 rows
+@pytest.mark.parametrize("n,d,m,dtype,impl", [
+    (5, 128, 192, jnp.float32, "triton"),    # 64 columns a tile (192: no multiple of 128), K 32
+    (130, 64, 64, jnp.bfloat16, "triton"),   # two row tiles, the second padded
+    (20, 64, 256, jnp.bfloat16, "triton"),   # 128 columns a tile, 32 rows
+    (130, 64, 128, jnp.bfloat16, "mosaic"),  # two row tiles, the second padded
+    (300, 128, 256, jnp.bfloat16, "mosaic"),  # 6 tiles over 3 CTAs: two a CTA; two K steps
+    (20, 64, 128, jnp.float16, "mosaic"),
 ])
-def test_gated_up_matches_float64(n, d, m, dtype):
-  """pallas_kernels.mlp.gated_up (decoding's up-projection and GeLU gating in one kernel)
-  against float64, padded rows included."""
+def test_gated_up_matches_float64(n, d, m, dtype, impl):
+  """pallas_kernels.mlp.gated_up (decoding's up-projection and GeLU gating in one kernel), the
+  Triton and the Mosaic GPU kernel in their interpreters, against float64, padded rows
+  included; a shape or dtype a kernel does not take is refused by name."""
   from pallas_kernels.mlp import gated_up  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(n + d + m)
   x = jnp.asarray(rng.normal(size=(n, d)), dtype)
   w = jnp.asarray(rng.normal(size=(2, d, m)) / np.sqrt(d), jnp.float32)
   b = jnp.asarray(rng.normal(size=(2, m)) * 0.1, jnp.float32)
-  got = np.asarray(gated_up.gated_up(x, w, b, interpret=True), np.float64)
+  got = np.asarray(gated_up.gated_up(x, w, b, impl=impl, interpret=True), np.float64)
   up = np.einsum("nd,cdm->cnm", np.asarray(x, np.float64), np.asarray(w.astype(dtype), np.float64))
   up += np.asarray(b, np.float64)[:, None]
   gelu = 0.5 * up[0] * (1 + np.tanh(np.sqrt(2 / np.pi) * (up[0] + 0.044715 * up[0] ** 3)))
   want = gelu * up[1]
-  tol = 1e-5 if dtype == jnp.float32 else 2e-2  # bfloat16: the branches' and GeLU's roundings
+  # bfloat16 and float16: the branches' and the GeLU's roundings
+  tol = {jnp.float32: 1e-5, jnp.float16: 4e-3, jnp.bfloat16: 2e-2}[dtype]
   np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
   with pytest.raises(ValueError, match="gated_up"):
-    gated_up.gated_up(x[:, :d - 1], w[:, :d - 1], b, interpret=True)
+    gated_up.gated_up(x[:, :d - 1], w[:, :d - 1], b, impl=impl, interpret=True)
+  if impl == "mosaic":
+    with pytest.raises(ValueError, match="Mosaic GPU kernel does not take dtype float32"):
+      gated_up.gated_up(x.astype(jnp.float32), w, b, impl=impl, interpret=True)
+
+
+def test_gated_up_path(monkeypatch):
+  """auto: Triton's interpreter on a CPU, Mosaic on Hopper GPUs only; shapes and dtypes the
+  Mosaic kernel cannot take go to Triton even when asked for; a bad setting is named."""
+  from pallas_kernels import dispatch  # pylint: disable=g-import-not-at-top
+  ok = (2048, 6144, jnp.bfloat16)
+  assert dispatch.gated_up_path(*ok) == "triton"
+  monkeypatch.setattr(dispatch, "target_platform", lambda: "gpu")
+  for capability, want in ((9.0, "mosaic"), (8.0, "triton"), (10.0, "triton")):
+    monkeypatch.setattr(dispatch, "gpu_capability", lambda c=capability: c)
+    assert dispatch.gated_up_path(*ok) == want
+  monkeypatch.setattr(dispatch, "GATED_UP_IMPL", "mosaic")
+  assert dispatch.gated_up_path(*ok) == "mosaic"
+  for unsupported in ((2048, 6144, jnp.float32), (2048, 6208, jnp.bfloat16),
+                      (2080, 6144, jnp.bfloat16)):
+    assert dispatch.gated_up_path(*unsupported) == "triton"
+  monkeypatch.setattr(dispatch, "GATED_UP_IMPL", "triton")
+  assert dispatch.gated_up_path(*ok) == "triton"
+  monkeypatch.setattr(dispatch, "GATED_UP_IMPL", "cutlass")
+  with pytest.raises(ValueError, match="GATED_UP_IMPL='cutlass': allowed auto"):
+    dispatch.gated_up_path(*ok)
 
 
 def test_decode_kernel_benchmark_script_prints_its_rows():
@@ -165,16 +195,16 @@ def test_decode_kernel_benchmark_script_prints_its_rows():
   out = helpers.run_script("bench/bench_decode_kernels.py", "--tiny").stdout
   rows = [line for line in out.splitlines() if line.startswith("| ") and "ms" not in line]
   names = [r.split(" | ")[1] for r in rows]
-  assert names[:7] == [
+  assert names[:8] == [
       "XLA", "XLA", "kernel, 32 rows x 4 warps x 32 columns a program",
       "XLA's Conv1D, then the kernel, 32 rows x 4 warps x 32 columns a program", "XLA",
-      "kernel, tile 64x64, K 64, 4 warps, 2 stages", "XLA"], out
+      "kernel, tile 64x64, K 64, 4 warps, 2 stages", "Mosaic GPU kernel, 2 stages", "XLA"], out
   # the greedy kernel's row, with the fraction of rows on which it picks XLA's token
-  assert names[7].startswith("kernel, tile 16x256, K 64, 4 warps, 2 stages (same token on "), out
+  assert names[8].startswith("kernel, tile 16x256, K 64, 4 warps, 2 stages (same token on "), out
   # decode attention: ragged and full global caches, then a local ring, each against its kernel
-  works = [r.split(" | ")[0].lstrip("| ") for r in rows[8:]]
+  works = [r.split(" | ")[0].lstrip("| ") for r in rows[9:]]
   mosaic = "Mosaic GPU, 64 keys a slot, 2 slots"
-  assert names[8:] == ["Triton (JAX's decode_attention)", mosaic] * 2 + [
+  assert names[9:] == ["Triton (JAX's decode_attention)", mosaic] * 2 + [
       "XLA over the 101-slot ring", mosaic], out
   assert works == (["decode attention, 3 rows x 128 slots, ragged"] * 2
                    + ["decode attention, 3 rows x 128 slots, full"] * 2

@@ -352,25 +352,33 @@ def test_gpu_decode_kernel_gives_the_full_forward_logits(family):
                                atol=1e-6)
 
 
-@pytest.mark.parametrize("family,window", [("mqa", 3), ("griffin", 3), ("griffin", 100)])
-def test_mosaic_decode_kernel_gives_the_full_forward_logits(family, window, monkeypatch):
-  """Decoding through the tensor-core decode kernel (pallas_kernels.attention.decode, in its
-  interpreter; what Hopper GPUs run) gives the full forward's logits within two bfloat16
-  roundings of the largest logit (the Triton kernel's error in the same setting: 0.06 of 0.20);
-  local attention reads a ring of whole key blocks, masked to the window (or a cache shorter
-  than the window)."""
+@pytest.mark.parametrize("family,window,mlp", [("mqa", 3, True), ("griffin", 3, False),
+                                               ("griffin", 100, False)])
+def test_mosaic_decode_kernel_gives_the_full_forward_logits(family, window, mlp, monkeypatch):
+  """Decoding through the tensor-core kernels Hopper GPUs run, in their interpreters (the
+  decode attention, pallas_kernels.attention.decode, and the MLP's Mosaic GPU ``gated_up``)
+  gives the full forward's logits within two bfloat16 roundings of the largest logit (the
+  Triton attention kernel's error in the same setting: 0.06 of 0.20); local attention reads a
+  ring of whole key blocks, masked to the window (or a cache shorter than the window). The
+  Mosaic MLP runs in the first case only (each adds 10 s here)."""
   from pallas_kernels import dispatch  # pylint: disable=g-import-not-at-top
   from pallas_kernels.attention import decode  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.mlp import gated_up  # pylint: disable=g-import-not-at-top
   cfg = tiny_config(family=family, num_layers=3, width=128, num_heads=2, lru_width=64,
-                    mlp_expanded_width=64, dtype="bfloat16", attention_window_size=window,
-                    scan_layers=False)  # heads of 64: the kernel's smallest
+                    mlp_expanded_width=128, dtype="bfloat16", attention_window_size=window,
+                    scan_layers=False, mlp_impl="pallas" if mlp else "xla")  # heads of 64
   model = perturbed(model_lib.init_model(cfg, seed=3), seed=4, scale=0.1)
   rng = np.random.default_rng(6)
   prompts = [list(rng.integers(0, 53, n)) for n in (7, 2, 4)]
   attention = [b.temporal for b in model.blocks if hasattr(b.temporal, "window")]
   assert attention
   monkeypatch.setattr(dispatch, "DECODE_ATTENTION_IMPL", "mosaic")
-  jax.clear_caches()  # the setting is read when the decoding loop is traced
+  monkeypatch.setattr(dispatch, "GATED_UP_IMPL", "mosaic")
+  monkeypatch.setattr(gated_up, "MIN_ROWS", 1)
+  paths = []
+  path = dispatch.gated_up_path
+  monkeypatch.setattr(dispatch, "gated_up_path", lambda *a: paths.append(path(*a)) or paths[-1])
+  jax.clear_caches()  # the settings are read when the decoding loop is traced
   for module in attention:
     module.impl = "cudnn"
   sizes = {c.keys.shape[-2] for c in jax.tree.leaves(
@@ -386,6 +394,7 @@ def test_mosaic_decode_kernel_gives_the_full_forward_logits(family, window, monk
               for row, p in enumerate(prompts))
   bound = 2 * float(jnp.finfo(jnp.bfloat16).eps) * float(np.abs(full).max())
   assert error <= bound, (error, bound)
+  assert paths == (["mosaic"] if mlp else [])  # the MLPs share one trace of the jitted kernel
 
 
 def test_decode_profile_script_times_steps_from_filled_caches(tmp_path):

@@ -4,7 +4,8 @@ with their floors and tile variants.
 
   python scripts/bench/bench_decode_kernels.py [--batch 2048] [--width 2048]
       [--lru_width 2560] [--gate_blocks 16] [--mlp 6144] [--step_tiles 64x4x32,...]
-      [--mlp_tiles 128x128x64x8x3,...] [--steps 50] [--iters 5] [--tiny]
+      [--mlp_tiles 128x128x64x8x3,...] [--mlp_mosaic_stages 4,3] [--steps 50] [--iters 5]
+      [--tiny]
 
 Each row times ``--steps`` steps in one ``fori_loop`` (the median of ``--iters`` loops), the
 step's output feeding the next step's input: device time per step, as inside the decoding loop.
@@ -21,8 +22,10 @@ Rows (defaults: Hawk 1.3B's recurrent block at 2048 rows, bfloat16):
   path against ``RecurrentBlock.decode_step`` (``decode_impl=pallas``) with the same tiles.
   Bytes floor: also the ring's slots read and one written (20 bytes a channel a row).
 - the MLP's up-projection and GeLU gating: XLA's (``MLPBlock``'s decoding branch, without the
-  down-projection) against ``pallas_kernels.mlp.gated_up`` with each ``--mlp_tiles`` entry
-  (rows x cols x K step x warps x stages). FLOP floor: ``4 B D M`` over the device's peak.
+  down-projection) against ``pallas_kernels.mlp.gated_up``'s Triton kernel with each
+  ``--mlp_tiles`` entry (rows x cols x K step x warps x stages) and its Mosaic GPU kernel with
+  each ``--mlp_mosaic_stages`` entry (Hopper; the interpreter with ``--tiny``). FLOP floor:
+  ``4 B D M`` over the device's peak.
 - the greedy token from the tied output layer (``--vocab``): XLA's (the logits in bfloat16, the
   soft cap and the argmax, as ``Model._logits`` and ``sampling.choose``) against
   ``pallas_kernels.sampling.greedy`` with each ``--greedy_tiles`` entry (rows x vocabulary
@@ -75,6 +78,8 @@ def main():
                       help="rows x warps x output columns a program (0: whole blocks)")
   parser.add_argument("--mlp_tiles",
                       default="128x128x64x8x3,128x128x64x8x4,128x64x64x8x3,64x128x64x4x4")
+  parser.add_argument("--mlp_mosaic_stages", default="4,3",
+                      help="ring slots of the Mosaic GPU gated_up kernel, one row each")
   parser.add_argument("--vocab", type=int, default=256_000)
   parser.add_argument("--greedy_tiles",
                       default="128x256x64x8x3,128x128x64x8x3,128x256x64x8x4,256x128x64x8x3")
@@ -91,7 +96,7 @@ def main():
   if args.tiny:
     args.batch, args.width, args.lru_width, args.gate_blocks, args.mlp = 5, 64, 64, 2, 128
     args.step_tiles, args.mlp_tiles, args.iters, args.steps = "32x4x32", "64x64x64x4x2", 1, 2
-    args.vocab, args.greedy_tiles = 512, "16x256x64x4x2"
+    args.vocab, args.greedy_tiles, args.mlp_mosaic_stages = 512, "16x256x64x4x2", "2"
     args.attention_rows, args.cache, args.window, args.attention_tiles = 3, 128, 100, "64x2"
   only = set(args.only.split(","))
   b, d, e, m = args.batch, args.width, args.lru_width, args.mlp
@@ -209,13 +214,20 @@ def main():
       jax.clear_caches()
       try:
         up = lambda mlp, x: gated_up.gated_up(x[:, 0], mlp.ffw_up.w[...],
-                                              mlp.ffw_up.b[...].reshape(2, -1), interpret=interpret)
+                                              mlp.ffw_up.b[...].reshape(2, -1), impl="triton",
+                                              interpret=interpret)
         ms = per_step(mlp_body(up), mlp, mlp_carry)
         row("MLP up-projection + GeLU gating", f"kernel, tile {r}x{c}, K {k}, {warps} warps, "
             f"{stages} stages", ms, mlp_floor)
       except Exception as err:  # pylint: disable=broad-except
         print(f"| MLP up-projection + GeLU gating | kernel, tile {tile} | error: "
               f"{str(err).splitlines()[0][:150]} | | |", flush=True)
+    for stages in map(int, args.mlp_mosaic_stages.split(",")):
+      up = lambda mlp, x, stages=stages: gated_up._mosaic(  # pylint: disable=protected-access
+          x[:, 0], mlp.ffw_up.w[...].astype(x.dtype), mlp.ffw_up.b[...].reshape(2, -1),
+          stages=stages, interpret=interpret)
+      row("MLP up-projection + GeLU gating", f"Mosaic GPU kernel, {stages} stages",
+          per_step(mlp_body(up), mlp, mlp_carry), mlp_floor)
   if "greedy" in only:
     greedy_rows(row, per_step, xm[:, 0], args.vocab, peak, args.greedy_tiles, interpret)
   if "attention" in only:

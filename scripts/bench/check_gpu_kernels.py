@@ -40,9 +40,10 @@ TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
 TOLERANCE_OVERRIDES = {("block_diagonal", "float32"): 1e-3, ("gates_with_skip", "float32"): 1e-3,
                        ("recurrent_decode_step", "float32"): 1e-3, ("gated_up", "float32"): 1e-3,
                        ("greedy_token", "float32"): 1e-3}
-FORWARD_ONLY = {"recurrent_decode_step", "gated_up", "greedy_token",
+FORWARD_ONLY = {"recurrent_decode_step", "gated_up", "gated_up_mosaic", "greedy_token",
                 "decode_attention"}  # decoding: no gradients
-DTYPES_ONLY = {"decode_attention": ("bfloat16",)}  # wgmma's 16-bit inputs
+# wgmma's 16-bit inputs (the Mosaic GPU kernels)
+DTYPES_ONLY = {"decode_attention": ("bfloat16",), "gated_up_mosaic": ("bfloat16",)}
 
 
 def _greedy_maxima(x, table):
@@ -109,9 +110,10 @@ def cases(tiny: bool):
          [("x", (db, dw)), ("positions", (db,))] + [("gate_weight", (dh, dw // dh, dw // dh))] * 2
          + [("param", (dh, dw // dh))] * 2 + [("param", (dw,)), ("state", (db, dw))])
   gn, gd, gm = (70, 64, 128) if tiny else (2048, 2048, 6144)  # Hawk 1.3B's MLP, 2048 rows
-  up = lambda x, w, b: gated_up.gated_up(x, w, b, interpret=interpret)
-  yield ("gated_up", up, gated_up.reference,
-         [("x", (gn, gd)), ("gate_weight", (2, gd, gm)), ("param", (2, gm))])
+  for name, impl in (("gated_up", "triton"), ("gated_up_mosaic", "mosaic")):
+    up = lambda x, w, b, impl=impl: gated_up.gated_up(x, w, b, impl=impl, interpret=interpret)
+    yield (name, up, gated_up.reference,
+           [("x", (gn, gd)), ("gate_weight", (2, gd, gm)), ("param", (2, gm))])
   # decode attention, 16 heads of 128: MQA 1.3B's global cache of 2048 slots, each row's filled
   # part; Griffin 1.3B's local ring (window 1024 in 1088 slots), rows past the ring's length
   ab, an, ah = (3, 5, 64) if tiny else (256, 16, 128)
