@@ -203,17 +203,18 @@ class RecurrentBlock(nnx.Module):
       segment_pos: Int[Array, "b t"],
       cache: RecurrentCache | None = None,
   ) -> tuple[Float[Array, "b t d"], RecurrentCache]:
-    y = jax.nn.gelu(self.linear_y(x))
+    y = self.linear_y(x)
     x = self.linear_x(x)
     count = 0 if cache is None else cache.tokens
     if cache is not None and x.shape[1] == 1 and self._step_kernel(x.shape[0]):
-      x, h_last, conv_state = self.decode_step(x, segment_pos, cache)
+      x, h_last, conv_state = self.decode_step(x, segment_pos, cache, y)  # x times gelu(y)
     else:
       x, conv_state = self.conv_1d(x, segment_pos, None if cache is None else cache.conv1d_state,
                                    count)
       x, h_last = self.rg_lru(x, segment_pos, None if cache is None else cache.rg_lru_state)
-    return self.linear_out(x * y), RecurrentCache(h_last, conv_state,
-                                                  jnp.asarray(count + x.shape[1], jnp.int32))
+      x = x * jax.nn.gelu(y)
+    return self.linear_out(x), RecurrentCache(h_last, conv_state,
+                                              jnp.asarray(count + x.shape[1], jnp.int32))
 
   def _step_kernel(self, rows: int) -> bool:
     """Whether a one-token step of ``rows`` rows may take ``pallas_kernels.rg_lru.decode``
@@ -222,34 +223,35 @@ class RecurrentBlock(nnx.Module):
     return (self.decode_impl == "pallas" and dispatch.triton_interpret() is not None
             and decode_kernel.worthwhile(rows, w.shape[0] * w.shape[1], w.shape[0]))
 
-  def decode_step(self, x, segment_pos, cache: RecurrentCache):
-    """One token per row (``x``: ``linear_x``'s output, ``[B, 1, E]``): XLA's Conv1D over the
-    ring (which takes the token in place), then the gates and the RG-LRU update in one kernel
+  def decode_step(self, x, segment_pos, cache: RecurrentCache, gate):
+    """One token per row (``x``: ``linear_x``'s output, ``gate``: ``linear_y``'s, both
+    ``[B, 1, E]``): XLA's Conv1D over the ring (which takes the token in place), then the gates,
+    the RG-LRU update and the product with ``gelu(gate)`` in one kernel
     (``pallas_kernels.rg_lru.decode``), per device under a mesh; a device with fewer rows than
-    ``decode.MIN_ROWS`` takes XLA's gates and update instead. Returns ``(y [B, 1, E], h [B, E],
-    ring)``, as the XLA path."""
+    ``decode.MIN_ROWS`` takes XLA's gates and update instead. Returns ``(y * gelu(gate)
+    [B, 1, E], h [B, E], ring)``, as the XLA path."""
     lru = self.rg_lru
     x, ring = self.conv_1d(x, segment_pos, cache.conv1d_state, cache.tokens)
 
-    def local(x, seg, w_x, w_a, b_x, b_a, a_param, h0):
+    def local(x, seg, w_x, w_a, b_x, b_a, a_param, h0, gate):
       if decode_kernel.worthwhile(x.shape[0], x.shape[1], w_x.shape[0]):
-        return decode_kernel.gates_update(x, seg, w_x, w_a, b_x, b_a, a_param, h0,
+        return decode_kernel.gates_update(x, seg, w_x, w_a, b_x, b_a, a_param, h0, gate=gate,
                                           interpret=dispatch.triton_interpret())
       # XLA's step on this device's rows, as RGLRU takes one token
       x, gate_x, gate_a = lru.local_gates(x[:, None], w_x, w_a, b_x, b_a)
       y, h = one_token_update(x, gate_x, gate_a, a_param, seg[:, None] == 0, h0)
-      return y[:, 0], h
+      return y[:, 0] * jax.nn.gelu(gate), h
 
     rows, lru_axes = ("batch", "lru"), ("lru",)
     # The gate blocks split over the mesh as the channels do: named "lru" too, so that the
     # channels split only where the blocks do (shard_local splits an axis name alike everywhere).
     blocks, block_bias = ("lru", None, None), ("lru", None)
     y, h = partitioning.shard_local(
-        local, (rows, ("batch",), blocks, blocks, block_bias, block_bias, lru_axes, rows),
+        local, (rows, ("batch",), blocks, blocks, block_bias, block_bias, lru_axes, rows, rows),
         (rows, rows))(
             x[:, 0].astype(lru.dtype), segment_pos[:, 0], lru.input_gate.w.value,
             lru.a_gate.w.value, lru.input_gate.b.value, lru.a_gate.b.value, lru.a_param.value,
-            cache.rg_lru_state)
+            cache.rg_lru_state, gate[:, 0].astype(lru.dtype))
     return y[:, None], h, ring
 
   def init_cache(self, batch_size: int, max_len: int, dtype) -> RecurrentCache:

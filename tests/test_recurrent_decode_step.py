@@ -63,6 +63,14 @@ def test_gates_update_matches_float64(batch, width, blocks, dtype, split, monkey
   tol = 1e-5 if dtype == jnp.float32 else 3e-2
   np.testing.assert_allclose(np.asarray(h), want, rtol=tol, atol=tol)
   np.testing.assert_array_equal(np.asarray(y), np.asarray(h.astype(dtype)))
+  # with the other branch (linear_y's output): y times its GeLU, the state unchanged
+  gate = jnp.asarray(np.random.default_rng(batch).normal(size=(batch, width)) * 2, dtype)
+  y_gated, h_gated = decode.gates_update(*inputs, gate=gate, interpret=True)
+  np.testing.assert_array_equal(np.asarray(h_gated), np.asarray(h))
+  g = np.asarray(gate, np.float64)
+  gelu = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
+  want_y = np.asarray(h.astype(dtype), np.float64) * gelu
+  np.testing.assert_allclose(np.asarray(y_gated, np.float64), want_y, rtol=2 * tol, atol=2 * tol)
   # the pure-JAX reference (check_gpu_kernels.py's) in float64 agrees with this one without
   # the roundings
   with jax.enable_x64(True):

@@ -18,9 +18,11 @@ Rows (defaults: Hawk 1.3B's recurrent block at 2048 rows, bfloat16):
   entry (rows a program x warps x output columns a program, 0 for whole blocks). Bytes floor:
   ``x`` and the float32 state read, ``y`` and the state written (12 bytes a channel a row) over
   the copy ceiling measured in the run.
-- the same with the Conv1D (XLA's, which also writes the ring in place) in front: XLA's
-  path against ``RecurrentBlock.decode_step`` (``decode_impl=pallas``) with the same tiles.
-  Bytes floor: also the ring's slots read and one written (20 bytes a channel a row).
+- the same with the Conv1D (XLA's, which also writes the ring in place) in front and the
+  product with the other branch's GeLU behind: XLA's path against
+  ``RecurrentBlock.decode_step`` (``decode_impl=pallas``) with the same tiles. Bytes floor:
+  also the ring's slots read and one written and the other branch read (22 bytes a channel a
+  row).
 - the MLP's up-projection and GeLU gating: XLA's (``MLPBlock``'s decoding branch, without the
   down-projection) against ``pallas_kernels.mlp.gated_up``'s Triton kernel with each
   ``--mlp_tiles`` entry (rows x cols x K step x warps x stages) and its Mosaic GPU kernel with
@@ -116,13 +118,15 @@ def main():
                                    jax.random.normal(keys[3], (3, b, e), dt),
                                    jnp.asarray(7, jnp.int32))
 
+  gate = jax.random.normal(keys[0], (b, 1, e), dt) + 0.5  # linear_y's output
+
   def xla_step(block, x, seg, cache):
     y, ring = block.conv_1d(x, seg, cache.conv1d_state, cache.tokens)
     y, h = block.rg_lru(y, seg, cache.rg_lru_state)
-    return y, h, ring
+    return y * jax.nn.gelu(gate), h, ring
 
   def kernel_step(block, x, seg, cache):
-    return block.decode_step(x, seg, cache)
+    return block.decode_step(x, seg, cache, gate)
 
   def xla_update(block, x, seg, h):  # x: the Conv1D's output
     return block.rg_lru(x, seg, h)
@@ -166,7 +170,7 @@ def main():
 
   ceiling = timing.copy_ceiling(1 << 30 if not args.tiny else 1 << 20)
   peak = flops.device_peak_flops() or 0.0
-  step_floor = 20 * b * e / ceiling * 1e3
+  step_floor = 22 * b * e / ceiling * 1e3
   mlp_floor = 4 * b * d * m / peak * 1e3 if peak else float("nan")
   print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; B={b} D={d} E={e} "
         f"({args.gate_blocks} gate blocks) M={m} bfloat16; copy ceiling {ceiling / 1e12:.2f} "
@@ -185,7 +189,7 @@ def main():
   if "recurrent" in only:
     row("gates + RG-LRU update", "XLA",
         per_step(update_body(xla_update), block, (x, cache.rg_lru_state)), update_floor)
-    row("Conv1D + gates + RG-LRU update", "XLA",
+    row("Conv1D + gates + RG-LRU update + GeLU gating", "XLA",
         per_step(recurrent_body(xla_step), block, (x, cache)), step_floor)
     for tile in args.step_tiles.split(","):
       rows, warps, split = map(int, tile.split("x"))
@@ -197,7 +201,7 @@ def main():
       try:
         row("gates + RG-LRU update", name,
             per_step(update_body(kernel_update), block, (x, cache.rg_lru_state)), update_floor)
-        row("Conv1D + gates + RG-LRU update", f"XLA's Conv1D, then the {name}",
+        row("Conv1D + gates + RG-LRU update + GeLU gating", f"XLA's Conv1D, then the {name}",
             per_step(recurrent_body(kernel_step), block, (x, cache)), step_floor)
       except Exception as err:  # pylint: disable=broad-except  (a tile Triton rejects)
         print(f"| gates + RG-LRU update | kernel, tile {tile} | error: "
