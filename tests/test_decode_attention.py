@@ -90,3 +90,45 @@ def test_decode_attention_path(monkeypatch):
   monkeypatch.setattr(dispatch, "DECODE_ATTENTION_IMPL", "cudnn")
   with pytest.raises(ValueError, match="DECODE_ATTENTION_IMPL='cudnn': allowed auto"):
     dispatch.decode_attention_path(*ok)
+
+
+@pytest.mark.parametrize("slots,window,row_offset", [(192, None, 2), (128, 100, 0)])
+def test_attention_and_gated_up_in_one_launch_match_float64_and_the_separate_kernels(
+    slots, window, row_offset):
+  """``decode_overlap.attention_and_gated_up`` (in the Mosaic GPU interpreter): the attention
+  over rows ``row_offset ..`` of a whole batch's cache (global, or a wrapped local ring) and the
+  MLP's gated up-projection of other rows (two output tiles, the second padded), as work items
+  of one kernel, against float64 and bit for bit against the two kernels alone."""
+  from pallas_kernels.attention import decode_overlap  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.mlp import gated_up  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(slots)
+  batch, rows, heads, head = 5, 3, 5, 64
+  arr = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+  q, keys, values = arr(rows, heads, head), arr(batch, slots, head), arr(batch, slots, head)
+  lengths = np.array([1, 70, slots, 2 * slots + 17, 5])  # beyond the ring's size: wrapped
+  if window is None:
+    lengths = np.minimum(lengths, slots)
+  x = arr(130, 64)
+  w = jnp.asarray(rng.normal(size=(2, 64, 128)) / 8, jnp.float32)
+  b = jnp.asarray(rng.normal(size=(2, 128)) * 0.1, jnp.float32)
+  o, h = decode_overlap.attention_and_gated_up(
+      q, keys, values, jnp.asarray(lengths, jnp.int32), x, w, b, scale=head**-0.5,
+      row_offset=row_offset, window=window, interpret=True)
+  mine = slice(row_offset, row_offset + rows)
+  want = reference64(q, keys[mine], values[mine],
+                     ring_visible(lengths[mine], slots, window), head**-0.5)
+  np.testing.assert_allclose(np.asarray(o, np.float64), want, atol=2e-2, rtol=2e-2)
+  up = np.einsum("nd,cdm->cnm", np.asarray(x, np.float64),
+                 np.asarray(w.astype(jnp.bfloat16), np.float64)) + np.asarray(b)[:, None]
+  gelu = 0.5 * up[0] * (1 + np.tanh(np.sqrt(2 / np.pi) * (up[0] + 0.044715 * up[0] ** 3)))
+  np.testing.assert_allclose(np.asarray(h, np.float64), gelu * up[1], rtol=2e-2,
+                             atol=2e-2 * np.abs(gelu * up[1]).max())
+  alone = decode.mqa_decode(q, keys[mine], values[mine], jnp.asarray(lengths[mine], jnp.int32),
+                            scale=head**-0.5, window=window, interpret=True)
+  np.testing.assert_array_equal(np.asarray(o), np.asarray(alone))
+  np.testing.assert_array_equal(np.asarray(h),
+                                np.asarray(gated_up.gated_up(x, w, b, impl="mosaic",
+                                                             interpret=True)))
+  with pytest.raises(ValueError, match="rows 3..5 of a 5-row cache"):
+    decode_overlap.attention_and_gated_up(q, keys, values, jnp.asarray(lengths, jnp.int32), x,
+                                          w, b, scale=1.0, row_offset=3, interpret=True)

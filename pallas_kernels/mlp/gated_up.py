@@ -168,15 +168,40 @@ def _triton(x, w, b, *, interpret: bool):
 def _mosaic(x, w, b, *, stages: int = MOSAIC_STAGES, interpret: bool = False):
   """The Mosaic GPU kernel (module docstring); ``interpret``: Pallas' Mosaic GPU interpreter,
   three CTAs."""
-  n, d = x.shape
-  m = w.shape[-1]
-  dtype, f32 = x.dtype, jnp.float32
-  tile_m, tile_n, tile_k = MOSAIC_TILE
-  half = tile_m // 2  # rows of a compute warpgroup
+  n, m = x.shape[0], w.shape[-1]
+  tile_m, tile_n, _ = MOSAIC_TILE
   rows = -(-n // tile_m) * tile_m
-  m_tiles, tiles = rows // tile_m, rows // tile_m * (m // tile_n)
+  tiles = rows // tile_m * (m // tile_n)
   sms = 3 if interpret else getattr(jax.devices()[0], "core_count", 132)
   ctas = min(sms, tiles)
+
+  def kernel(x_g, w_g, b_g, h_g):
+    mosaic_tiles(x_g, w_g, b_g, h_g, lax.axis_index("sm"), tiles, ctas, stages=stages,
+                 interpret=interpret)
+
+  interpret_params = {}
+  if interpret:
+    from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=g-import-not-at-top
+    interpret_params["interpret"] = params.InterpretGPUParams()
+  call = plmgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((rows, m), x.dtype), grid=(ctas,), grid_names=("sm",),
+      num_threads=3, thread_name="wg",
+      compiler_params=plmgpu.CompilerParams(
+          lowering_semantics=plmgpu.LoweringSemantics.Warpgroup),
+      **interpret_params)
+  return call(jnp.pad(x, ((0, rows - n), (0, 0))), w, b.astype(jnp.float32))[:n]
+
+
+def mosaic_tiles(x_g, w_g, b_g, h_g, first, stop, step, *, stages: int = MOSAIC_STAGES,
+                 interpret: bool = False):
+  """The Mosaic kernel's work, for ``_mosaic`` and kernels that share a launch with it: output
+  tiles ``first, first + step, ... < stop`` (the rows fastest) of ``h_g`` from ``x_g [R, D]``
+  (``R`` a multiple of 128), ``w_g [2, D, M]`` and the float32 ``b_g [2, M]``, by the three
+  warpgroups of axis ``"wg"`` (one memory, two compute)."""
+  d, dtype, f32 = x_g.shape[1], x_g.dtype, jnp.float32
+  tile_m, tile_n, tile_k = MOSAIC_TILE
+  half = tile_m // 2  # rows of a compute warpgroup
+  m_tiles = x_g.shape[0] // tile_m
   swizzle = plmgpu.find_swizzle(tile_k * 16)
   in_tr = (plmgpu.TilingTransform((8, swizzle // 2)), plmgpu.SwizzleTransform(swizzle))
   swizzle = plmgpu.find_swizzle(tile_n * 16)
@@ -193,64 +218,51 @@ def _mosaic(x, w, b, *, stages: int = MOSAIC_STAGES, interpret: bool = False):
                   spec((tile_k, tile_n), lambda k: (k, 0))],
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages, compute_context=context)
 
-  def kernel(x_g, w_g, b_g, h_g):
-    cta, wg = lax.axis_index("sm"), lax.axis_index("wg")
-    ignore = lambda *_, **__: None
-    allocs = pipeline(ignore, ignore).get_allocations(
-        x_g.at[pl.ds(0, tile_m)], w_g.at[0, :, pl.ds(0, tile_n)], w_g.at[1, :, pl.ds(0, tile_n)])
+  wg = lax.axis_index("wg")
+  ignore = lambda *_, **__: None
+  allocs = pipeline(ignore, ignore).get_allocations(
+      x_g.at[pl.ds(0, tile_m)], w_g.at[0, :, pl.ds(0, tile_n)], w_g.at[1, :, pl.ds(0, tile_n)])
 
-    @functools.partial(pl.run_scoped, allocs=allocs,
-                       out_s=plmgpu.SMEM((2, half, tile_n), dtype, transforms=out_tr),
-                       b_s=plmgpu.SMEM((2, 2, tile_n), f32), b_bar=plmgpu.Barrier(num_barriers=2),
-                       collective_axes="wg")
-    def _(allocs, out_s, b_s, b_bar):
-      @pl.loop(cta, tiles, step=ctas)
-      def _(t):
-        tm, tn = pl.ds(t % m_tiles * tile_m, tile_m), pl.ds(t // m_tiles * tile_n, tile_n)
-        mine = pl.ds(wg * half, half)  # this warpgroup's rows of the tile
+  @functools.partial(pl.run_scoped, allocs=allocs,
+                     out_s=plmgpu.SMEM((2, half, tile_n), dtype, transforms=out_tr),
+                     b_s=plmgpu.SMEM((2, 2, tile_n), f32), b_bar=plmgpu.Barrier(num_barriers=2),
+                     collective_axes="wg")
+  def _(allocs, out_s, b_s, b_bar):
+    @pl.loop(first, stop, step=step)
+    def _(t):
+      tm, tn = pl.ds(t % m_tiles * tile_m, tile_m), pl.ds(t // m_tiles * tile_n, tile_n)
+      mine = pl.ds(wg * half, half)  # this warpgroup's rows of the tile
 
-        def context(run):
-          plmgpu.copy_gmem_to_smem(b_g.at[:, tn], b_s.at[wg], b_bar.at[wg])
+      def context(run):
+        plmgpu.copy_gmem_to_smem(b_g.at[:, tn], b_s.at[wg], b_bar.at[wg])
 
-          @functools.partial(pl.run_scoped, a0=plmgpu.ACC((half, tile_n), f32),
-                             a1=plmgpu.ACC((half, tile_n), f32))
-          def _(a0, a1):
-            run((a0, a1))
-            plmgpu.barrier_wait(b_bar.at[wg])
-            if interpret:  # the interpreter has no layouts
-              b0, b1 = b_s[wg, 0], b_s[wg, 1]
-            else:
-              column = plmgpu.Layout.WGMMA.reduce(0)
-              b0 = plmgpu.load(b_s.at[wg, 0], (), layout=column)
-              b1 = plmgpu.load(b_s.at[wg, 1], (), layout=column)
-            bias = lambda v: lax.broadcast_in_dim(v, (half, tile_n), [1])
-            u0 = (a0[...] + bias(b0)).astype(dtype).astype(f32)
-            u1 = (a1[...] + bias(b1)).astype(dtype).astype(f32)
-            gelu = 0.5 * u0 * (1 + jnp.tanh(c * (u0 + 0.044715 * u0 * u0 * u0)))
-            h = (gelu.astype(dtype).astype(f32) * u1).astype(dtype)
-            plmgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read
-            out_s[wg] = h
-            plmgpu.commit_smem()
-            plmgpu.copy_smem_to_gmem(out_s.at[wg], h_g.at[tm].at[mine].at[:, tn])
+        @functools.partial(pl.run_scoped, a0=plmgpu.ACC((half, tile_n), f32),
+                           a1=plmgpu.ACC((half, tile_n), f32))
+        def _(a0, a1):
+          run((a0, a1))
+          plmgpu.barrier_wait(b_bar.at[wg])
+          if interpret:  # the interpreter has no layouts
+            b0, b1 = b_s[wg, 0], b_s[wg, 1]
+          else:
+            column = plmgpu.Layout.WGMMA.reduce(0)
+            b0 = plmgpu.load(b_s.at[wg, 0], (), layout=column)
+            b1 = plmgpu.load(b_s.at[wg, 1], (), layout=column)
+          bias = lambda v: lax.broadcast_in_dim(v, (half, tile_n), [1])
+          u0 = (a0[...] + bias(b0)).astype(dtype).astype(f32)
+          u1 = (a1[...] + bias(b1)).astype(dtype).astype(f32)
+          gelu = 0.5 * u0 * (1 + jnp.tanh(c * (u0 + 0.044715 * u0 * u0 * u0)))
+          h = (gelu.astype(dtype).astype(f32) * u1).astype(dtype)
+          plmgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read
+          out_s[wg] = h
+          plmgpu.commit_smem()
+          plmgpu.copy_smem_to_gmem(out_s.at[wg], h_g.at[tm].at[mine].at[:, tn])
 
-        def step(_, x_s, w0_s, w1_s, accs):
-          plmgpu.wgmma(accs[0], x_s.at[mine], w0_s)
-          plmgpu.wgmma(accs[1], x_s.at[mine], w1_s)
-          plmgpu.wgmma_wait(0)
-          return accs
+      def step_k(_, x_s, w0_s, w1_s, accs):
+        plmgpu.wgmma(accs[0], x_s.at[mine], w0_s)
+        plmgpu.wgmma(accs[1], x_s.at[mine], w1_s)
+        plmgpu.wgmma_wait(0)
+        return accs
 
-        pipeline(step, context)(x_g.at[tm], w_g.at[0, :, tn], w_g.at[1, :, tn],
+      pipeline(step_k, context)(x_g.at[tm], w_g.at[0, :, tn], w_g.at[1, :, tn],
                                 allocations=allocs)
-      plmgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-  interpret_params = {}
-  if interpret:
-    from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=g-import-not-at-top
-    interpret_params["interpret"] = params.InterpretGPUParams()
-  call = plmgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((rows, m), dtype), grid=(ctas,), grid_names=("sm",),
-      num_threads=3, thread_name="wg",
-      compiler_params=plmgpu.CompilerParams(
-          lowering_semantics=plmgpu.LoweringSemantics.Warpgroup),
-      **interpret_params)
-  return call(jnp.pad(x, ((0, rows - n), (0, 0))), w, b.astype(f32))[:n]
+    plmgpu.wait_smem_to_gmem(0, wait_read_only=True)
