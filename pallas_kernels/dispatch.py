@@ -43,6 +43,16 @@ def gpu_capability() -> float | None:
     return None
 
 
+def mosaic_gpu_interpreter(interpret: bool):
+  """The ``interpret`` argument of a Mosaic GPU kernel: Pallas' Mosaic GPU interpreter (it
+  simulates TMA, barriers and warpgroups on the CPU; ``interpret=True`` would pick the generic
+  interpreter, which has no rules for async copies), or None to compile."""
+  if not interpret:
+    return None
+  from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=g-import-not-at-top
+  return params.InterpretGPUParams()
+
+
 def interpret_on(platform: str, interpret: bool = False) -> bool:
   """Whether a Pallas kernel runs in its interpreter: asked for, or a CPU target."""
   return interpret or platform == "cpu"
@@ -92,16 +102,8 @@ def decode_attention_path(q_shape, cache_shape, dtype) -> str:
   a ``[B, S, H]`` cache. On a CPU target both run in their interpreters; "auto" takes Triton's,
   which is faster there."""
   from pallas_kernels.attention import decode  # pylint: disable=g-import-not-at-top
-  if DECODE_ATTENTION_IMPL not in ("auto", "mosaic", "triton"):
-    raise ValueError(f"DECODE_ATTENTION_IMPL={DECODE_ATTENTION_IMPL!r}: allowed auto, mosaic, "
-                     "triton")
-  supported = decode.problem(q_shape, cache_shape, dtype) is None
-  if DECODE_ATTENTION_IMPL == "triton" or not supported:
-    return "triton"
-  if DECODE_ATTENTION_IMPL == "mosaic":
-    return "mosaic"
-  hopper = target_platform() == "gpu" and int(gpu_capability() or 0) == 9
-  return "mosaic" if hopper else "triton"
+  return _mosaic_on_hopper("DECODE_ATTENTION_IMPL", DECODE_ATTENTION_IMPL,
+                           decode.problem(q_shape, cache_shape, dtype))
 
 
 # The decoding MLP's ``gated_up`` kernel: "auto" (Mosaic GPU on Hopper where it applies, else
@@ -113,11 +115,19 @@ def gated_up_path(width: int, expanded: int, dtype) -> str:
   """``"mosaic"`` (wgmma, Hopper only) or ``"triton"`` for ``pallas_kernels.mlp.gated_up``. On
   a CPU target both run in their interpreters; "auto" takes Triton's, which is faster there."""
   from pallas_kernels.mlp import gated_up  # pylint: disable=g-import-not-at-top
-  if GATED_UP_IMPL not in ("auto", "mosaic", "triton"):
-    raise ValueError(f"GATED_UP_IMPL={GATED_UP_IMPL!r}: allowed auto, mosaic, triton")
-  if GATED_UP_IMPL == "triton" or gated_up.mosaic_problem(width, expanded, dtype):
+  return _mosaic_on_hopper("GATED_UP_IMPL", GATED_UP_IMPL,
+                           gated_up.mosaic_problem(width, expanded, dtype))
+
+
+def _mosaic_on_hopper(name: str, setting: str, problem: str | None) -> str:
+  """``"mosaic"`` or ``"triton"`` for a setting ``auto|mosaic|triton`` named ``name``: Triton
+  where the Mosaic kernel has a ``problem`` with the shapes, even when asked for; "auto" takes
+  Mosaic on Hopper GPUs only."""
+  if setting not in ("auto", "mosaic", "triton"):
+    raise ValueError(f"{name}={setting!r}: allowed auto, mosaic, triton")
+  if setting == "triton" or problem:
     return "triton"
-  if GATED_UP_IMPL == "mosaic":
+  if setting == "mosaic":
     return "mosaic"
   hopper = target_platform() == "gpu" and int(gpu_capability() or 0) == 9
   return "mosaic" if hopper else "triton"

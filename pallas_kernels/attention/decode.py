@@ -27,6 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import dispatch
+
 QUERY_ROWS = 64  # wgmma's rows: the heads, padded
 BLOCK_K = 64  # keys a ring slot
 STAGES = 2  # ring slots
@@ -47,11 +49,6 @@ def problem(q_shape, cache_shape, dtype) -> str | None:
   if cache_shape[1] % BLOCK_K:
     return f"{cache_shape[1]} cache slots (a multiple of {BLOCK_K} needed)"
   return None
-
-
-def _interpret_params():
-  from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=g-import-not-at-top
-  return params.InterpretGPUParams()
 
 
 def mqa_decode(q, keys, values, lengths, *, scale: float, window: int | None = None,
@@ -86,7 +83,7 @@ def mqa_decode(q, keys, values, lengths, *, scale: float, window: int | None = N
       grid_names=("row",), scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True,
                                            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      **({"interpret": _interpret_params()} if interpret else {}))
+      interpret=dispatch.mosaic_gpu_interpreter(interpret))
   q, keys, values = kernel_operands(q, keys, values, heads, interpret)
   return kernel(lengths.astype(jnp.int32), q, keys, values)[:, :n]
 

@@ -33,6 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import dispatch
 from pallas_kernels.attention import decode
 from pallas_kernels.mlp import gated_up
 
@@ -80,16 +81,12 @@ def attention_and_gated_up(q, keys, values, lengths, x, w, b, *, scale: float,
       t = i - upto
       gated_up.mosaic_tiles(x_g, w_g, b_g, h_g, t, t + 1, 1, interpret=interpret)
 
-  interpret_params = {}
-  if interpret:
-    from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=g-import-not-at-top
-    interpret_params["interpret"] = params.InterpretGPUParams()
   call = plgpu.kernel(
       kernel, out_type=(jax.ShapeDtypeStruct((rows, heads, head), q.dtype),
                         jax.ShapeDtypeStruct((x_rows, w.shape[-1]), x.dtype)),
       grid=(items,), grid_names=("item",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      **interpret_params)
+      interpret=dispatch.mosaic_gpu_interpreter(interpret))
   q, keys, values = decode.kernel_operands(q, keys, values, heads, interpret)
   o, h = call(lengths.astype(jnp.int32), q, keys, values,
               jnp.pad(x, ((0, x_rows - x.shape[0]), (0, 0))), w.astype(x.dtype),

@@ -179,16 +179,12 @@ def _mosaic(x, w, b, *, stages: int = MOSAIC_STAGES, interpret: bool = False):
     mosaic_tiles(x_g, w_g, b_g, h_g, lax.axis_index("sm"), tiles, ctas, stages=stages,
                  interpret=interpret)
 
-  interpret_params = {}
-  if interpret:
-    from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=g-import-not-at-top
-    interpret_params["interpret"] = params.InterpretGPUParams()
   call = plmgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((rows, m), x.dtype), grid=(ctas,), grid_names=("sm",),
       num_threads=3, thread_name="wg",
       compiler_params=plmgpu.CompilerParams(
           lowering_semantics=plmgpu.LoweringSemantics.Warpgroup),
-      **interpret_params)
+      interpret=dispatch.mosaic_gpu_interpreter(interpret))
   return call(jnp.pad(x, ((0, rows - n), (0, 0))), w, b.astype(jnp.float32))[:n]
 
 

@@ -44,17 +44,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import dispatch
+
 _WARPGROUP = 128
 # The defaults: 16 rows x 256 channels x 8 stages, the fastest configuration measured on an H100
 # (docs/kernels.md); float32 inputs shrink the stages to fit shared memory.
 ROWS, BLOCK_D, STAGES = 16, 256, 8
-
-
-def _interpret_params():
-  # Pallas' Mosaic GPU interpreter (simulates TMA, barriers and the warpgroup on the CPU);
-  # `interpret=True` would pick the generic interpreter, which has no rules for async copies.
-  from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=g-import-not-at-top
-  return params.InterpretGPUParams()
 
 
 # Shared memory a block may use on an H100 is 227 KiB; leave room for barriers and Pallas' own
@@ -294,7 +289,7 @@ def mosaic_scan(step, streams, carries0, *, out_dtypes, reverse=False, token_row
       compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True),
       grid=(B, n_d),
       grid_names=("b", "d"),
-      interpret=_interpret_params() if interpret else None,
+      interpret=dispatch.mosaic_gpu_interpreter(interpret),
   )(*streams, *token_rows, *vectors)
   outs = tuple(y[:, :T, :D] for y in results[:n_out])
   return outs, tuple(c[:, :D] for c in results[n_out:])
