@@ -98,7 +98,7 @@ def kernel_operands(q, keys, values, heads: int, interpret: bool):
 
 def row_attention(*, size: int, heads: int, head_dim: int, dtype, scale: float,
                   window: int | None, block_k: int, stages: int, interpret: bool):
-  """The kernel's work for one row, for ``mqa_decode`` and kernels that share a launch with it:
+  """The kernel's work for one row (``mqa_decode``'s body):
   ``(scratch, attend)``, the shared-memory and barrier types one row needs (one warpgroup) and
   ``attend(b, len_g, q_g, k_g, v_g, o_g, *scratch_refs)``, which writes row ``b``'s ``[heads,
   head_dim]`` output (``q_g``, ``k_g``, ``v_g`` as ``kernel_operands`` gives them)."""

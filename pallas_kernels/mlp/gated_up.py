@@ -190,7 +190,7 @@ def _mosaic(x, w, b, *, stages: int = MOSAIC_STAGES, interpret: bool = False):
 
 def mosaic_tiles(x_g, w_g, b_g, h_g, first, stop, step, *, stages: int = MOSAIC_STAGES,
                  interpret: bool = False):
-  """The Mosaic kernel's work, for ``_mosaic`` and kernels that share a launch with it: output
+  """The Mosaic kernel's work (``_mosaic``'s body): output
   tiles ``first, first + step, ... < stop`` (the rows fastest) of ``h_g`` from ``x_g [R, D]``
   (``R`` a multiple of 128), ``w_g [2, D, M]`` and the float32 ``b_g [2, M]``, by the three
   warpgroups of axis ``"wg"`` (one memory, two compute)."""

@@ -43,12 +43,7 @@ Rows (defaults: Hawk 1.3B's recurrent block at 2048 rows, bfloat16):
   full; Griffin 1.3B's local ring (``--batch`` rows, ``--window`` 1024: 1025 slots for XLA,
   rounded up to whole 64-key blocks for the kernel), full. Bytes floor: the visible keys and
   values read once over the copy ceiling.
-- one half-batch's decode attention beside the other half's gated up-projection (MQA 1.3B:
-  ``--attention_rows`` / 2 rows of each): the two Mosaic kernels in sequence against
-  ``pallas_kernels.attention.decode_overlap`` (both in one launch), ragged and full. Floor: the
-  larger of the attention's bytes and the up-projection's FLOPs (full overlap).
-
-``--only recurrent,mlp,greedy,attention,overlap`` picks the groups of rows.
+``--only recurrent,mlp,greedy,attention`` picks the groups of rows.
 
 ``--tiny``: small shapes, interpreted, for a CPU check of the script.
 """
@@ -100,7 +95,7 @@ def main():
   parser.add_argument("--window", type=int, default=1024)
   parser.add_argument("--attention_tiles", default="64x2,64x3,128x2",
                       help="keys a ring slot x slots")
-  parser.add_argument("--only", default="recurrent,mlp,greedy,attention,overlap")
+  parser.add_argument("--only", default="recurrent,mlp,greedy,attention")
   parser.add_argument("--iters", type=int, default=5, help="timed loops (median)")
   parser.add_argument("--steps", type=int, default=50, help="steps a timed loop")
   parser.add_argument("--tiny", action="store_true")
@@ -246,8 +241,6 @@ def main():
     greedy_rows(row, per_step, xm[:, 0], args.vocab, peak, args.greedy_tiles, interpret)
   if "attention" in only:
     attention_rows(row, per_step, args, ceiling, interpret)
-  if "overlap" in only:
-    overlap_rows(row, per_step, args, ceiling, peak, interpret)
 
 
 def greedy_rows(row, per_step, x, vocab, peak, greedy_tiles, interpret):
@@ -351,59 +344,6 @@ def attention_rows(row, per_step, args, ceiling, interpret):
   module = Cache(keys, values, lengths)
   row(work, f"XLA over the {w + 1}-slot ring", per_step(body(xla), module, q), floor)
   kernels(work, module, q, floor, w)
-
-
-def overlap_rows(row, per_step, args, ceiling, peak, interpret):
-  """One half-batch's decode attention and the other half's gated up-projection: in sequence
-  (the two Mosaic kernels) and in one launch (``decode_overlap``), MQA 1.3B's shapes. Floor:
-  the larger of the attention's bytes and the up-projection's FLOPs, as if fully overlapped."""
-  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.attention import decode as decode_attention
-  from pallas_kernels.attention import decode_overlap
-  heads, head = (3, 64) if args.tiny else (16, 128)
-  scale = head**-0.5
-  half, t, d, m = max(1, args.attention_rows // 2), args.cache, args.width, args.mlp
-  keys = jax.random.normal(jax.random.PRNGKey(12), (half, t, head), jnp.bfloat16)
-  values = jax.random.normal(jax.random.PRNGKey(13), (half, t, head), jnp.bfloat16)
-  w = (jax.random.normal(jax.random.PRNGKey(14), (2, d, m), jnp.float32) / d**0.5).astype(
-      jnp.bfloat16)
-  b = jax.random.normal(jax.random.PRNGKey(15), (2, m), jnp.float32) * 0.1
-  q = jax.random.normal(jax.random.PRNGKey(16), (half, heads, head), jnp.bfloat16)
-  x = jax.random.normal(jax.random.PRNGKey(17), (half, d), jnp.bfloat16)
-
-  class Operands(nnx.Module):  # the loop-invariant state per_step splits off
-    def __init__(self, lengths):
-      self.keys, self.values = nnx.Variable(keys), nnx.Variable(values)
-      self.lengths, self.w, self.b = nnx.Variable(lengths), nnx.Variable(w), nnx.Variable(b)
-
-  def body(both):  # each output feeds its next input, so no step is hoisted out of the loop
-    def step(c, carry):
-      q, x = carry
-      o, h = both(c.keys[...], c.values[...], c.lengths[...], q, x, c.w[...], c.b[...])
-      return q + (o * 1e-3).astype(q.dtype), x + (h[:, :d] * 1e-3).astype(x.dtype)
-    return step
-
-  def in_sequence(k, v, n, q, x, w, b):
-    return (decode_attention.mqa_decode(q, k, v, n, scale=scale, interpret=interpret),
-            gated_up._mosaic(x, w, b, interpret=interpret))  # pylint: disable=protected-access
-
-  def one_launch(k, v, n, q, x, w, b):
-    return decode_overlap.attention_and_gated_up(q, k, v, n, x, w, b, scale=scale,
-                                                 interpret=interpret)
-
-  ragged = jax.random.randint(jax.random.PRNGKey(18), (half,), 1, t + 1)
-  variants = (("ragged", ragged), ("full", jnp.full((half,), t, jnp.int32)))
-  for name, lengths in variants[1:] if args.tiny else variants:  # --tiny: the interpreter's slow
-    module = Operands(lengths)
-    work = (f"decode attention ({half} rows x {t} slots, {name}) beside gated_up ({half} rows, "
-            f"D {d}, M {m})")
-    reads = float(jnp.sum(lengths)) * head * 4 / ceiling * 1e3
-    floor = max(reads, 4 * half * d * m / peak * 1e3 if peak else 0.0)
-    for impl, both in (("in sequence", in_sequence), ("in one launch", one_launch)):
-      try:
-        row(work, impl, per_step(body(both), module, (q, x)), floor)
-      except Exception as err:  # pylint: disable=broad-except
-        print(f"| {work} | {impl} | error: {str(err).splitlines()[0][:150]} | | |", flush=True)
 
 
 if __name__ == "__main__":
