@@ -16,12 +16,13 @@ lowering (``interpret=True``: Pallas' interpreter, the CPU tests). ``D`` a multi
 Two implementations of the same tile arithmetic, picked by ``dispatch.gated_up_path``:
 
 - Triton (``_triton``): every GPU; float32 too.
-- Mosaic GPU (``_mosaic``), on Hopper for bfloat16 and float16 with ``M`` a multiple of 128: one
-  persistent CTA per SM walks the output tiles (rows fastest, so the CTAs running at once share
-  each weight tile through L2). A memory warpgroup streams ``x`` and both branches' weights
-  through a ring of ``MOSAIC_STAGES`` TMA slots; two compute warpgroups each take 64 of the
-  tile's 128 rows of both branches on wgmma (two ``64 x 128`` float32 accumulators), and the
-  bias, GeLU and product run in registers before a TMA store. On an H200 at Hawk 1.3B's shape
+- Mosaic GPU (``_mosaic``, on ``matmul.persistent``'s skeleton), on Hopper for bfloat16 and
+  float16 with ``M`` a multiple of 128: one persistent CTA per SM walks the output tiles (rows
+  fastest, so the CTAs running at once share each weight tile through L2). A memory
+  warpgroup streams ``x`` and both branches' weights through a ring of ``MOSAIC_STAGES`` TMA
+  slots; two compute warpgroups each take 64 of the tile's 128 rows of both branches on wgmma
+  (two ``64 x 128`` float32 accumulators), and the bias, GeLU and product run in registers
+  before a TMA store. On an H200 at Hawk 1.3B's shape
   (2048 rows, ``D`` 2048, ``M`` 6144) it takes 0.153-0.154 ms (668-675 TFLOP/s) against
   0.183-0.193 for the Triton kernel; at 1024 rows 0.084-0.088 against 0.101-0.107
   (docs/bench/decode_log.md, session 43).
@@ -40,6 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plmgpu
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import dispatch
+from pallas_kernels.matmul import persistent
 
 # The tile: 128 rows by 128 columns of each branch, a 128 x 256 output tile's worth of
 # accumulators, as XLA's and cuBLAS's large tiles. On an H100 at Hawk 1.3B's shapes
@@ -57,7 +59,6 @@ _K32, _STAGES32 = 32, 2
 # (0.179).
 MOSAIC_TILE = (128, 128, 64)
 MOSAIC_STAGES = 4
-MOSAIC_DTYPES = ("bfloat16", "float16")
 
 # The fewest rows (per device) for which ``model.MLPBlock`` takes the kernel. Fewer rows leave the
 # matmul bound by reading the weights, where XLA's gemm (split over more SMs) is faster: Hawk
@@ -82,12 +83,7 @@ def supported(width: int, expanded: int) -> bool:
 def mosaic_problem(width: int, expanded: int, dtype) -> str | None:
   """Why the Mosaic GPU kernel cannot take ``x [N, width]`` of ``dtype`` against a
   ``[2, width, expanded]`` weight, or None."""
-  if jnp.dtype(dtype).name not in MOSAIC_DTYPES:
-    return f"dtype {jnp.dtype(dtype).name} (allowed: {', '.join(MOSAIC_DTYPES)})"
-  _, cols, k_step = MOSAIC_TILE
-  if width % k_step or expanded % cols:
-    return f"width {width} and expanded width {expanded} (multiples of {k_step} and {cols} needed)"
-  return None
+  return persistent.problem(dtype, width, expanded, tile=MOSAIC_TILE, what="expanded width")
 
 
 def worthwhile(rows: int, width: int, expanded: int) -> bool:
@@ -190,75 +186,42 @@ def _mosaic(x, w, b, *, stages: int = MOSAIC_STAGES, interpret: bool = False):
 
 def mosaic_tiles(x_g, w_g, b_g, h_g, first, stop, step, *, stages: int = MOSAIC_STAGES,
                  interpret: bool = False):
-  """The Mosaic kernel's work (``_mosaic``'s body): output
-  tiles ``first, first + step, ... < stop`` (the rows fastest) of ``h_g`` from ``x_g [R, D]``
-  (``R`` a multiple of 128), ``w_g [2, D, M]`` and the float32 ``b_g [2, M]``, by the three
-  warpgroups of axis ``"wg"`` (one memory, two compute)."""
-  d, dtype, f32 = x_g.shape[1], x_g.dtype, jnp.float32
-  tile_m, tile_n, tile_k = MOSAIC_TILE
+  """The Mosaic kernel's work (``_mosaic``'s body) on ``persistent.tiles``: output tiles
+  ``first, first + step, ... < stop`` (the rows fastest) of ``h_g`` from ``x_g [R, D]`` (``R``
+  a multiple of 128), ``w_g [2, D, M]`` and the float32 ``b_g [2, M]``."""
+  dtype, f32 = x_g.dtype, jnp.float32
+  tile_m, tile_n, _ = MOSAIC_TILE
   half = tile_m // 2  # rows of a compute warpgroup
-  m_tiles = x_g.shape[0] // tile_m
-  swizzle = plmgpu.find_swizzle(tile_k * 16)
-  in_tr = (plmgpu.TilingTransform((8, swizzle // 2)), plmgpu.SwizzleTransform(swizzle))
   swizzle = plmgpu.find_swizzle(tile_n * 16)
   out_tr = (plmgpu.TilingTransform((8, swizzle // 2)), plmgpu.SwizzleTransform(swizzle))
   c = math.sqrt(2 / math.pi)
 
-  def pipeline(body, context):
-    spec = lambda shape, at: plmgpu.BlockSpec(shape, at, transforms=in_tr,
-                                              memory_space=plmgpu.SMEM)
-    return plmgpu.emit_pipeline_warp_specialized(
-        body, grid=(d // tile_k,), memory_registers=40,
-        in_specs=[spec((tile_m, tile_k), lambda k: (0, k)),
-                  spec((tile_k, tile_n), lambda k: (k, 0)),
-                  spec((tile_k, tile_n), lambda k: (k, 0))],
-        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages, compute_context=context)
+  def prologue(tm, tn, wg, mine, out_s, b_s, b_bar):
+    del tm, mine, out_s
+    plmgpu.copy_gmem_to_smem(b_g.at[:, tn], b_s.at[wg], b_bar.at[wg])
 
-  wg = lax.axis_index("wg")
-  ignore = lambda *_, **__: None
-  allocs = pipeline(ignore, ignore).get_allocations(
-      x_g.at[pl.ds(0, tile_m)], w_g.at[0, :, pl.ds(0, tile_n)], w_g.at[1, :, pl.ds(0, tile_n)])
+  def epilogue(accs, tm, tn, wg, mine, out_s, b_s, b_bar):
+    a0, a1 = accs
+    plmgpu.barrier_wait(b_bar.at[wg])
+    if interpret:  # the interpreter has no layouts
+      b0, b1 = b_s[wg, 0], b_s[wg, 1]
+    else:
+      column = plmgpu.Layout.WGMMA.reduce(0)
+      b0 = plmgpu.load(b_s.at[wg, 0], (), layout=column)
+      b1 = plmgpu.load(b_s.at[wg, 1], (), layout=column)
+    bias = lambda v: lax.broadcast_in_dim(v, (half, tile_n), [1])
+    u0 = (a0[...] + bias(b0)).astype(dtype).astype(f32)
+    u1 = (a1[...] + bias(b1)).astype(dtype).astype(f32)
+    gelu = 0.5 * u0 * (1 + jnp.tanh(c * (u0 + 0.044715 * u0 * u0 * u0)))
+    h = (gelu.astype(dtype).astype(f32) * u1).astype(dtype)
+    plmgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read
+    out_s[wg] = h
+    plmgpu.commit_smem()
+    plmgpu.copy_smem_to_gmem(out_s.at[wg], h_g.at[tm].at[mine].at[:, tn])
 
-  @functools.partial(pl.run_scoped, allocs=allocs,
-                     out_s=plmgpu.SMEM((2, half, tile_n), dtype, transforms=out_tr),
-                     b_s=plmgpu.SMEM((2, 2, tile_n), f32), b_bar=plmgpu.Barrier(num_barriers=2),
-                     collective_axes="wg")
-  def _(allocs, out_s, b_s, b_bar):
-    @pl.loop(first, stop, step=step)
-    def _(t):
-      tm, tn = pl.ds(t % m_tiles * tile_m, tile_m), pl.ds(t // m_tiles * tile_n, tile_n)
-      mine = pl.ds(wg * half, half)  # this warpgroup's rows of the tile
-
-      def context(run):
-        plmgpu.copy_gmem_to_smem(b_g.at[:, tn], b_s.at[wg], b_bar.at[wg])
-
-        @functools.partial(pl.run_scoped, a0=plmgpu.ACC((half, tile_n), f32),
-                           a1=plmgpu.ACC((half, tile_n), f32))
-        def _(a0, a1):
-          run((a0, a1))
-          plmgpu.barrier_wait(b_bar.at[wg])
-          if interpret:  # the interpreter has no layouts
-            b0, b1 = b_s[wg, 0], b_s[wg, 1]
-          else:
-            column = plmgpu.Layout.WGMMA.reduce(0)
-            b0 = plmgpu.load(b_s.at[wg, 0], (), layout=column)
-            b1 = plmgpu.load(b_s.at[wg, 1], (), layout=column)
-          bias = lambda v: lax.broadcast_in_dim(v, (half, tile_n), [1])
-          u0 = (a0[...] + bias(b0)).astype(dtype).astype(f32)
-          u1 = (a1[...] + bias(b1)).astype(dtype).astype(f32)
-          gelu = 0.5 * u0 * (1 + jnp.tanh(c * (u0 + 0.044715 * u0 * u0 * u0)))
-          h = (gelu.astype(dtype).astype(f32) * u1).astype(dtype)
-          plmgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read
-          out_s[wg] = h
-          plmgpu.commit_smem()
-          plmgpu.copy_smem_to_gmem(out_s.at[wg], h_g.at[tm].at[mine].at[:, tn])
-
-      def step_k(_, x_s, w0_s, w1_s, accs):
-        plmgpu.wgmma(accs[0], x_s.at[mine], w0_s)
-        plmgpu.wgmma(accs[1], x_s.at[mine], w1_s)
-        plmgpu.wgmma_wait(0)
-        return accs
-
-      pipeline(step_k, context)(x_g.at[tm], w_g.at[0, :, tn], w_g.at[1, :, tn],
-                                allocations=allocs)
-    plmgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  persistent.tiles(
+      x_g, lambda cols: (w_g.at[0, :, cols], w_g.at[1, :, cols]), first, stop, step,
+      tile=MOSAIC_TILE, prologue=prologue, epilogue=epilogue, stages=stages,
+      scratch=(("out_s", plmgpu.SMEM((2, half, tile_n), dtype, transforms=out_tr)),
+               ("b_s", plmgpu.SMEM((2, 2, tile_n), f32)),
+               ("b_bar", plmgpu.Barrier(num_barriers=2))))
