@@ -119,6 +119,22 @@ def gated_up_path(width: int, expanded: int, dtype) -> str:
                            gated_up.mosaic_problem(width, expanded, dtype))
 
 
+# Greedy decoding's output-layer kernel: "auto" (Triton: the Mosaic GPU kernel is not yet timed
+# against it), "mosaic" (Hopper, where it applies) or "triton".
+GREEDY_IMPL = os.environ.get("GREEDY_IMPL", "auto")
+
+
+def greedy_path(vocab: int, width: int, dtype) -> str:
+  """``"mosaic"`` (wgmma, Hopper only, on request) or ``"triton"`` for
+  ``pallas_kernels.sampling.greedy``."""
+  from pallas_kernels.sampling import greedy  # pylint: disable=g-import-not-at-top
+  if GREEDY_IMPL not in ("auto", "mosaic", "triton"):
+    raise ValueError(f"GREEDY_IMPL={GREEDY_IMPL!r}: allowed auto, mosaic, triton")
+  if GREEDY_IMPL == "mosaic" and not greedy.mosaic_problem(vocab, width, dtype):
+    return "mosaic"
+  return "triton"
+
+
 def _mosaic_on_hopper(name: str, setting: str, problem: str | None) -> str:
   """``"mosaic"`` or ``"triton"`` for a setting ``auto|mosaic|triton`` named ``name``: Triton
   where the Mosaic kernel has a ``problem`` with the shapes, even when asked for; "auto" takes

@@ -89,6 +89,55 @@ def test_greedy_token_lowers_for_a_gpu():
     assert text.count("@__gpu$xla.gpu.triton") == 1 and "pallas_greedy_token" in text
 
 
+def test_mosaic_kernel_gives_the_triton_kernels_partials():
+  """``impl="mosaic"`` (Pallas' Mosaic GPU interpreter): the same per-tile maxima and first
+  columns as the Triton kernel, bit for bit (both round the float32 tile to the compute dtype),
+  over padded rows, ties within and across tiles, a NaN column and float16; the tokens match the
+  float64 argmax as above."""
+  x, table = random_inputs(3, 130, 1024, 128, jnp.bfloat16)
+  want = np.asarray(greedy.reference(x, table))
+  tied = table.at[3].set(table[want[0]]).at[700].set(table[want[0]])  # row 0: a tie, then one
+  tied = tied.at[want[0]].set(-table[want[0]])                         # tile later
+  for dtype, t in ((jnp.bfloat16, tied), (jnp.float16, table.at[255].set(jnp.nan))):
+    xs = x.astype(dtype)
+    got = greedy.partials(xs, t, impl="mosaic", interpret=True)
+    ref = greedy.partials(xs, t, impl="triton", interpret=True)
+    assert got[2] == ref[2] == 256
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(ref[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(ref[1]))
+    assert got[0].shape == (130, 4) and got[1].dtype == jnp.int32
+  assert greedy.pick(*greedy.partials(x, tied, impl="mosaic", interpret=True))[0] == 3
+  with pytest.raises(ValueError, match="Mosaic GPU kernel does not take dtype float32"):
+    greedy.partials(x.astype(jnp.float32), table, impl="mosaic", interpret=True)
+  with pytest.raises(ValueError, match="multiples of 64 and 256"):
+    greedy.partials(x, table[:384], impl="mosaic", interpret=True)
+
+
+def test_greedy_path(monkeypatch):
+  """``GREEDY_IMPL``: auto and triton take Triton; mosaic takes the Mosaic kernel where its
+  shapes and dtype allow, else Triton; anything else is one line naming the setting."""
+  from pallas_kernels import dispatch  # pylint: disable=g-import-not-at-top
+  assert dispatch.greedy_path(256_000, 2048, jnp.bfloat16) == "triton"
+  monkeypatch.setattr(dispatch, "GREEDY_IMPL", "mosaic")
+  assert dispatch.greedy_path(256_000, 2048, jnp.bfloat16) == "mosaic"
+  assert dispatch.greedy_path(256_000, 2048, jnp.float32) == "triton"
+  assert dispatch.greedy_path(384, 2048, jnp.bfloat16) == "triton"
+  monkeypatch.setattr(dispatch, "GREEDY_IMPL", "cudnn")
+  with pytest.raises(ValueError, match="GREEDY_IMPL='cudnn': allowed auto, mosaic, triton"):
+    dispatch.greedy_path(256_000, 2048, jnp.bfloat16)
+
+
+def test_mosaic_kernel_lowers_for_a_gpu():
+  """The Mosaic GPU kernel (the table read transposed by wgmma) lowers for CUDA on this CPU
+  machine at a 1.3B model's output layer."""
+  import helpers  # pylint: disable=g-import-not-at-top
+  text = helpers.lower_for_cuda(
+      lambda x, t: greedy.greedy_token(x, t, impl="mosaic"),
+      jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16),
+      jax.ShapeDtypeStruct((256_000, 2048), jnp.bfloat16))
+  assert text.count("custom_call @mosaic_gpu") == 1 and "@__gpu$xla.gpu.triton" not in text
+
+
 def _count_kernel_calls(monkeypatch):
   calls = []
   kernel = greedy.partials
@@ -128,6 +177,29 @@ def test_greedy_sampling_with_the_kernel_equals_xla(family, monkeypatch):
   np.testing.assert_array_equal(with_logits.tokens, tokens["xla", 1])
   sampling.sample(model, prompts, sampling.SamplingParams(max_new_tokens=3, temperature=1.0))
   assert not calls
+
+
+def test_greedy_sampling_with_the_mosaic_kernel_equals_triton(monkeypatch):
+  """``GREEDY_IMPL=mosaic`` (the Mosaic GPU kernel in its interpreter) through
+  ``Model.greedy_extend`` in a bfloat16 model gives the Triton kernel's tokens."""
+  from pallas_kernels import dispatch  # pylint: disable=g-import-not-at-top
+  calls = _count_kernel_calls(monkeypatch)
+  mosaic = greedy._mosaic  # pylint: disable=protected-access
+  used = []
+  monkeypatch.setattr(greedy, "_mosaic", lambda *a, **k: used.append(1) or mosaic(*a, **k))
+  monkeypatch.setattr(greedy, "MIN_ROWS", 3)
+  prompts = [[1, 2, 3, 4, 5], [6, 7], [9]]
+  tokens = {}
+  for impl in ("triton", "mosaic"):
+    monkeypatch.setattr(dispatch, "GREEDY_IMPL", impl)
+    jax.clear_caches()  # GREEDY_IMPL is read when tracing
+    cfg = tiny_config(family="hawk", vocab_size=512, num_layers=2, width=64, decode_impl="pallas",
+                      mlp_expanded_width=128, dtype="bfloat16")
+    model = perturbed(model_lib.init_model(cfg, seed=3), seed=4, scale=1.0)
+    tokens[impl] = sampling.sample(model, prompts, sampling.SamplingParams(max_new_tokens=5)).tokens
+  assert calls and used, (calls, used)
+  assert len(set(tokens["triton"].ravel())) > 3
+  np.testing.assert_array_equal(tokens["mosaic"], tokens["triton"])
 
 
 def _one_device_tokens(monkeypatch, family, vocab, seed, new_tokens):

@@ -207,12 +207,13 @@ def test_decode_kernel_benchmark_script_prints_its_rows():
       "XLA", "XLA", "kernel, 32 rows x 4 warps x 32 columns a program",
       "XLA's Conv1D, then the kernel, 32 rows x 4 warps x 32 columns a program", "XLA",
       "kernel, tile 64x64, K 64, 4 warps, 2 stages", "Mosaic GPU kernel, 2 stages", "XLA"], out
-  # the greedy kernel's row, with the fraction of rows on which it picks XLA's token
+  # the greedy kernels' rows, with the fraction of rows on which each picks XLA's token
   assert names[8].startswith("kernel, tile 16x256, K 64, 4 warps, 2 stages (same token on "), out
+  assert names[9].startswith("Mosaic GPU kernel, 2 stages (same token on "), out
   # decode attention: ragged and full global caches, then a local ring, each against its kernel
-  works = [r.split(" | ")[0].lstrip("| ") for r in rows[9:]]
+  works = [r.split(" | ")[0].lstrip("| ") for r in rows[10:]]
   mosaic = "Mosaic GPU, 64 keys a slot, 2 slots"
-  assert names[9:] == ["Triton (JAX's decode_attention)", mosaic] * 2 + [
+  assert names[10:] == ["Triton (JAX's decode_attention)", mosaic] * 2 + [
       "XLA over the 101-slot ring", mosaic], out
   assert works == (["decode attention, 3 rows x 128 slots, ragged"] * 2
                    + ["decode attention, 3 rows x 128 slots, full"] * 2

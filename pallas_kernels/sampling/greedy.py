@@ -18,6 +18,15 @@ vocabulary (``jnp.argmax`` would give the first NaN's).
 
 Triton lowering (``interpret=True``: Pallas' interpreter, the CPU tests). ``D`` a multiple of
 ``_K`` and ``V`` of 128 (``supported``); ``N`` is padded inside.
+
+A Mosaic GPU version of the same tile arithmetic (``_mosaic``, Hopper, bfloat16 and float16, ``V``
+a multiple of 256) runs on ``matmul.persistent``'s skeleton: persistent CTAs over ``[128, 256]``
+tiles, the rows fastest; a 4-slot TMA ring of ``x`` and table tiles; wgmma over 64 rows a compute
+warpgroup against the table read as it lies (``x table^T``); each row's largest rounded logit
+and first column found in registers and stored by TMA. It is picked only on request
+(``GREEDY_IMPL=mosaic``, ``dispatch.greedy_path``): its partials equal the Triton kernel's bit
+for bit on an H200 at Hawk 1.3B's shape (2048 rows, ``D`` 2048, ``V`` 256,000), but it has not
+been timed against it yet (docs/bench/decode_log.md, session 44).
 """
 
 from __future__ import annotations
@@ -26,8 +35,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plmgpu
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import dispatch
+from pallas_kernels.matmul import persistent
 
 # The tile: 128 rows by 256 vocabulary columns, K steps of 64, 8 warps, 3 stages (as
 # ``mlp.gated_up``'s 128 x 2 x 128). Programs run rows fastest, so the rows of the batch that share
@@ -36,6 +50,11 @@ _ROWS, _COLS, _K = 128, 256, 64
 _WARPS, _STAGES = 8, 3
 # float32 operands: half the K step and 2 stages (shared memory), as ``gated_up``.
 _K32, _STAGES32 = 32, 2
+
+# The Mosaic GPU tile (rows, vocabulary columns, K step) and TMA ring slots: 128 rows as two
+# compute warpgroups of 64, each with one 64 x 256 float32 accumulator.
+MOSAIC_TILE = (128, 256, 64)
+MOSAIC_STAGES = 4
 
 # The fewest rows (per device) for which the model takes the kernel (``model.decode_impl``). On
 # an H100 at a 1.3B model's output layer (V = 256K, D = 2048; bench_decode_kernels.py, session
@@ -96,15 +115,28 @@ def _kernel(x_ref, t_ref, max_ref, arg_ref, *, k_step):
   arg_ref[...] = first[:, None]
 
 
-def partials(x, table, *, tile=None, interpret: bool = False):
+def mosaic_problem(vocab: int, width: int, dtype) -> str | None:
+  """Why the Mosaic GPU kernel cannot take ``x [N, width]`` of ``dtype`` against a ``[vocab,
+  width]`` table, or None."""
+  return persistent.problem(dtype, width, vocab, tile=MOSAIC_TILE, what="vocabulary")
+
+
+def partials(x, table, *, tile=None, impl: str | None = None, interpret: bool = False):
   """``(best [N, V / cols] float32, column [N, V / cols] int32, cols)``: each row's largest logit
   in each vocabulary tile and its first column in the tile. ``tile``: ``(rows, cols, K step,
-  warps, stages)`` for benchmarks."""
+  warps, stages)`` of the Triton kernel, for benchmarks. ``impl``: "triton" or "mosaic"; None
+  asks ``dispatch.greedy_path``."""
   n, d = x.shape
   vocab = table.shape[0]
   if table.shape != (vocab, d) or not supported(vocab, d):
     raise ValueError(f"greedy_token: x {x.shape}, table {table.shape}: need table [V, D], D a "
                      f"multiple of {_K}, V of 128")
+  impl = impl or dispatch.greedy_path(vocab, d, x.dtype)
+  if impl == "mosaic":
+    why = mosaic_problem(vocab, d, x.dtype)
+    if why:
+      raise ValueError(f"greedy_token: the Mosaic GPU kernel does not take {why}")
+    return _mosaic(x, table.astype(x.dtype), interpret=interpret)
   wide = jnp.dtype(x.dtype).itemsize > 2
   tile_rows, cols, k_step, warps, stages = tile or (
       _ROWS, tile_cols(vocab), _K32 if wide else _K, _WARPS, _STAGES32 if wide else _STAGES)
@@ -128,6 +160,53 @@ def partials(x, table, *, tile=None, interpret: bool = False):
   return best[:n], column[:n], cols
 
 
+def _mosaic(x, table, *, stages: int = MOSAIC_STAGES, interpret: bool = False):
+  """The Mosaic GPU kernel (module docstring); ``interpret``: Pallas' Mosaic GPU interpreter,
+  three CTAs, the table transposed for it (its wgmma takes no transposed operand)."""
+  n = x.shape[0]
+  vocab = table.shape[0]
+  tile_m, cols, _ = MOSAIC_TILE
+  half = tile_m // 2
+  rows = -(-n // tile_m) * tile_m
+  tiles = rows // tile_m * (vocab // cols)
+  ctas = min(3 if interpret else getattr(jax.devices()[0], "core_count", 132), tiles)
+  dtype, f32 = x.dtype, jnp.float32
+
+  def epilogue(accs, tm, tn, wg, mine, out_s, out_g):
+    logits = accs[0][...].astype(dtype).astype(f32)  # rounded as XLA stores the logits
+    best = logits.max(axis=1)
+    if interpret:  # the interpreter has no layouts
+      column = lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+    else:
+      column = plmgpu.broadcasted_iota(jnp.int32, logits.shape, 1, layout=plmgpu.Layout.WGMMA)
+    # the first column holding the maximum, as the largest (cols - column) among them
+    back = jnp.where(logits == lax.broadcast_in_dim(best, logits.shape, [0]),
+                     float(cols) - column.astype(f32), 0.0).max(axis=1)
+    plmgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read
+    out_s[wg, 0] = best
+    # (clamped: a NaN maximum equals no column; the token stays in the vocabulary)
+    out_s[wg, 1] = jnp.minimum(float(cols) - back, float(cols - 1))
+    plmgpu.commit_smem()
+    plmgpu.copy_smem_to_gmem(out_s.at[wg],
+                             out_g.at[:, tn.start // cols, pl.ds(tm.start + mine.start, half)])
+
+  def kernel(x_g, t_g, out_g):
+    operands = (lambda c: (t_g.at[:, c],)) if interpret else (lambda c: (t_g.at[c],))
+    persistent.tiles(
+        x_g, operands, lax.axis_index("sm"), tiles, ctas, tile=MOSAIC_TILE,
+        epilogue=functools.partial(epilogue, out_g=out_g), stages=stages,
+        transposed=not interpret, scratch=(("out_s", plmgpu.SMEM((2, 2, half), f32)),))
+
+  call = plmgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((2, vocab // cols, rows), f32), grid=(ctas,),
+      grid_names=("sm",), num_threads=3, thread_name="wg",
+      compiler_params=plmgpu.CompilerParams(
+          lowering_semantics=plmgpu.LoweringSemantics.Warpgroup),
+      interpret=dispatch.mosaic_gpu_interpreter(interpret))
+  out = call(jnp.pad(x, ((0, rows - n), (0, 0))), table.T if interpret else table)
+  return out[0, :, :n].T, out[1, :, :n].T.astype(jnp.int32), cols
+
+
 def pick(best, column, cols: int):
   """The token of each row from ``partials``' per-tile maxima (the first tile holding the row's
   maximum, as ``jnp.argmax``)."""
@@ -135,8 +214,8 @@ def pick(best, column, cols: int):
   return (tile * cols + jnp.take_along_axis(column, tile[:, None], axis=1)[:, 0]).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("tile", "interpret"))
-def greedy_token(x, table, *, tile=None, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("tile", "impl", "interpret"))
+def greedy_token(x, table, *, tile=None, impl: str | None = None, interpret: bool = False):
   """See the module docstring."""
-  best, column, cols = partials(x, table, tile=tile, interpret=interpret)
+  best, column, cols = partials(x, table, tile=tile, impl=impl, interpret=interpret)
   return pick(best, column, cols)

@@ -4,7 +4,8 @@ with their floors and tile variants.
 
   python scripts/bench/bench_decode_kernels.py [--batch 2048] [--width 2048]
       [--lru_width 2560] [--gate_blocks 16] [--mlp 6144] [--step_tiles 64x4x32,...]
-      [--mlp_tiles 128x128x64x8x3,...] [--mlp_mosaic_stages 4,3] [--steps 50] [--iters 5]
+      [--mlp_tiles 128x128x64x8x3,...] [--mlp_mosaic_stages 4,3] [--greedy_mosaic_stages 4,3]
+      [--steps 50] [--iters 5]
       [--tiny]
 
 Each row times ``--steps`` steps in one ``fori_loop`` (the median of ``--iters`` loops), the
@@ -31,8 +32,9 @@ Rows (defaults: Hawk 1.3B's recurrent block at 2048 rows, bfloat16):
 - the greedy token from the tied output layer (``--vocab``): XLA's (the logits in bfloat16, the
   soft cap and the argmax, as ``Model._logits`` and ``sampling.choose``) against
   ``pallas_kernels.sampling.greedy`` with each ``--greedy_tiles`` entry (rows x vocabulary
-  columns x K step x warps x stages), with the fraction of rows on which the two agree. FLOP
-  floor: ``2 B D V`` over the peak.
+  columns x K step x warps x stages) and its Mosaic GPU kernel with each
+  ``--greedy_mosaic_stages`` entry (Hopper; the interpreter with ``--tiny``), with the fraction
+  of rows on which each agrees with XLA. FLOP floor: ``2 B D V`` over the peak.
 
 - decode attention, one token per row against a cache of one key/value head: JAX's Triton
   kernel (the model's path on GPUs before Hopper) and XLA's masked attention over the whole
@@ -90,6 +92,8 @@ def main():
   parser.add_argument("--vocab", type=int, default=256_000)
   parser.add_argument("--greedy_tiles",
                       default="128x256x64x8x3,128x128x64x8x3,128x256x64x8x4,256x128x64x8x3")
+  parser.add_argument("--greedy_mosaic_stages", default="4,3",
+                      help="ring slots of the Mosaic GPU greedy kernel, one row each")
   parser.add_argument("--attention_rows", type=int, default=1024)
   parser.add_argument("--cache", type=int, default=2048)
   parser.add_argument("--window", type=int, default=1024)
@@ -104,6 +108,7 @@ def main():
     args.batch, args.width, args.lru_width, args.gate_blocks, args.mlp = 5, 64, 64, 2, 128
     args.step_tiles, args.mlp_tiles, args.iters, args.steps = "32x4x32", "64x64x64x4x2", 1, 2
     args.vocab, args.greedy_tiles, args.mlp_mosaic_stages = 512, "16x256x64x4x2", "2"
+    args.greedy_mosaic_stages = "2"
     args.attention_rows, args.cache, args.window, args.attention_tiles = 3, 128, 100, "64x2"
   only = set(args.only.split(","))
   b, d, e, m = args.batch, args.width, args.lru_width, args.mlp
@@ -238,12 +243,13 @@ def main():
       row("MLP up-projection + GeLU gating", f"Mosaic GPU kernel, {stages} stages",
           per_step(mlp_body(up), mlp, mlp_carry), mlp_floor)
   if "greedy" in only:
-    greedy_rows(row, per_step, xm[:, 0], args.vocab, peak, args.greedy_tiles, interpret)
+    greedy_rows(row, per_step, xm[:, 0], args.vocab, peak, args.greedy_tiles,
+                args.greedy_mosaic_stages, interpret)
   if "attention" in only:
     attention_rows(row, per_step, args, ceiling, interpret)
 
 
-def greedy_rows(row, per_step, x, vocab, peak, greedy_tiles, interpret):
+def greedy_rows(row, per_step, x, vocab, peak, greedy_tiles, mosaic_stages, interpret):
   b, d = x.shape
   table = (jax.random.normal(jax.random.PRNGKey(5), (vocab, d), jnp.float32)
            / d ** 0.5).astype(x.dtype)
@@ -284,6 +290,18 @@ def greedy_rows(row, per_step, x, vocab, peak, greedy_tiles, interpret):
           f"largest logit gap {gap:.3g})", ms, floor)
     except Exception as err:  # pylint: disable=broad-except
       print(f"| greedy token | kernel, tile {tile} | error: "
+            f"{str(err).splitlines()[0][:150]} | | |", flush=True)
+  for stages in map(int, mosaic_stages.split(",") if mosaic_stages else ()):
+    try:
+      kernel = lambda t, x, stages=stages: greedy.pick(  # pylint: disable=protected-access
+          *greedy._mosaic(x, t, stages=stages, interpret=interpret))
+      got = jax.jit(kernel)(table, x)
+      agree = float(jnp.mean(got == want))
+      ms = per_step(body(wrap(kernel)), module, x)
+      row("greedy token (output layer + argmax)", f"Mosaic GPU kernel, {stages} stages (same "
+          f"token on {agree:.2%} of rows)", ms, floor)
+    except Exception as err:  # pylint: disable=broad-except
+      print(f"| greedy token | Mosaic GPU kernel, {stages} stages | error: "
             f"{str(err).splitlines()[0][:150]} | | |", flush=True)
 
 

@@ -13,6 +13,7 @@ random cotangent, or the first line of the compile error. Exit status 1 if any r
 """
 
 import argparse
+import functools
 import os
 import sys
 
@@ -41,15 +42,16 @@ TOLERANCE_OVERRIDES = {("block_diagonal", "float32"): 1e-3, ("gates_with_skip", 
                        ("recurrent_decode_step", "float32"): 1e-3, ("gated_up", "float32"): 1e-3,
                        ("greedy_token", "float32"): 1e-3}
 FORWARD_ONLY = {"recurrent_decode_step", "gated_up", "gated_up_mosaic", "greedy_token",
-                "decode_attention"}  # decoding: no gradients
+                "greedy_token_mosaic", "decode_attention"}  # decoding: no gradients
 # wgmma's 16-bit inputs (the Mosaic GPU kernels)
-DTYPES_ONLY = {"decode_attention": ("bfloat16",), "gated_up_mosaic": ("bfloat16",)}
+DTYPES_ONLY = {"decode_attention": ("bfloat16",), "gated_up_mosaic": ("bfloat16",),
+               "greedy_token_mosaic": ("bfloat16",)}
 
 
-def _greedy_maxima(x, table):
+def _greedy_maxima(x, table, impl="triton"):
   """Each row's largest logit in each of ``greedy``'s vocabulary tiles (the kernel's partials,
   which also hold the column each came from; the tokens are compared by bench_decode_kernels.py)."""
-  return greedy.partials(x, table, interpret=jax.default_backend() == "cpu")[0]
+  return greedy.partials(x, table, impl=impl, interpret=jax.default_backend() == "cpu")[0]
 
 
 def _block_diagonal_reference(x, w, b):
@@ -127,8 +129,10 @@ def cases(tiny: bool):
             ("lengths", (ab, slots if window is None else 3 * slots))])
   # a 1.3B model's output layer, 128 rows (the float64 reference on the host is the slow part)
   gn, gd, gv = (70, 64, 512) if tiny else (128, 2048, 65536)
-  yield ("greedy_token", _greedy_maxima, lambda x, table: greedy.partials_reference(x, table)[0],
-         [("x", (gn, gd)), ("gate_weight", (gv, gd))])
+  for name, impl in (("greedy_token", "triton"), ("greedy_token_mosaic", "mosaic")):
+    yield (name, functools.partial(_greedy_maxima, impl=impl),
+           lambda x, table: greedy.partials_reference(x, table)[0],
+           [("x", (gn, gd)), ("gate_weight", (gv, gd))])
   # the training loss over a 32K vocabulary (Griffin 400M's) and a 256K one, some rows of each
   ce = lambda logits, targets: loss.cross_entropy(logits, targets, interpret=interpret)
   for n, v in ((70, 4352), (5, 512)) if tiny else ((2048, 32768), (131, 256000)):
