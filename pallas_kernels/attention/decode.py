@@ -70,42 +70,12 @@ def mqa_decode(q, keys, values, lengths, *, scale: float, window: int | None = N
     why = f"{size} cache slots for block_k={block_k}"
   if why:
     raise ValueError(f"mqa_decode: unsupported {why}")
-  heads = -(-n // 8) * 8  # rows of whole 8-row tiles in shared memory (padded in XLA if need be)
-  scratch, attend = row_attention(size=size, heads=heads, head_dim=h, dtype=q.dtype,
-                                  scale=scale, window=window, block_k=block_k, stages=stages,
-                                  interpret=interpret)
-
-  def body(len_g, q_g, k_g, v_g, o_g, *scratch_refs):
-    attend(lax.axis_index("row"), len_g, q_g, k_g, v_g, o_g, *scratch_refs)
-
-  kernel = plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((b_, heads, h), q.dtype), grid=(b_,),
-      grid_names=("row",), scratch_types=scratch,
-      compiler_params=plgpu.CompilerParams(approx_math=True,
-                                           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=dispatch.mosaic_gpu_interpreter(interpret))
-  q, keys, values = kernel_operands(q, keys, values, heads, interpret)
-  return kernel(lengths.astype(jnp.int32), q, keys, values)[:, :n]
-
-
-def kernel_operands(q, keys, values, heads: int, interpret: bool):
-  """``q`` padded to ``heads`` (whole 8-row tiles), the cache in ``q``'s dtype, and the keys
-  transposed for the interpreter (whose wgmma takes no transposed operand)."""
-  q = jnp.pad(q, ((0, 0), (0, heads - q.shape[1]), (0, 0)))
-  keys = keys.astype(q.dtype)
-  return q, keys.swapaxes(1, 2) if interpret else keys, values.astype(q.dtype)
-
-
-def row_attention(*, size: int, heads: int, head_dim: int, dtype, scale: float,
-                  window: int | None, block_k: int, stages: int, interpret: bool):
-  """The kernel's work for one row (``mqa_decode``'s body):
-  ``(scratch, attend)``, the shared-memory and barrier types one row needs (one warpgroup) and
-  ``attend(b, len_g, q_g, k_g, v_g, o_g, *scratch_refs)``, which writes row ``b``'s ``[heads,
-  head_dim]`` output (``q_g``, ``k_g``, ``v_g`` as ``kernel_operands`` gives them)."""
-  h, rows = head_dim, QUERY_ROWS
   c = scale * math.log2(math.e)  # the softmax runs in base 2
+  heads = -(-n // 8) * 8  # rows of whole 8-row tiles in shared memory (padded in XLA if need be)
+  rows = QUERY_ROWS
 
-  def attend(b, len_g, q_g, k_g, v_g, o_g, q_s, k_s, v_s, p_s, loaded, q_bar):
+  def body(len_g, q_g, k_g, v_g, o_g, q_s, k_s, v_s, p_s, loaded, q_bar):
+    b = lax.axis_index("row")
     length = len_g[b]
     filled = jnp.minimum(length, size)  # slots holding this document's tokens
     newest = lax.rem(length - 1, size)  # the new token's slot
@@ -176,10 +146,21 @@ def row_attention(*, size: int, heads: int, head_dim: int, dtype, scale: float,
     plgpu.wait_smem_to_gmem(0)
 
   key_tile = (h, block_k) if interpret else (block_k, h)
-  scratch = (plgpu.SMEM((rows, h), dtype), plgpu.SMEM((stages, *key_tile), dtype),
-             plgpu.SMEM((stages, block_k, h), dtype), plgpu.SMEM((rows, block_k), dtype),
-             plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier())
-  return scratch, attend
+  kernel = plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((b_, heads, h), q.dtype), grid=(b_,),
+      grid_names=("row",),
+      scratch_types=(plgpu.SMEM((rows, h), q.dtype), plgpu.SMEM((stages, *key_tile), q.dtype),
+                     plgpu.SMEM((stages, block_k, h), q.dtype),
+                     plgpu.SMEM((rows, block_k), q.dtype),
+                     plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier()),
+      compiler_params=plgpu.CompilerParams(approx_math=True,
+                                           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=dispatch.mosaic_gpu_interpreter(interpret))
+  keys = keys.astype(q.dtype)
+  q = jnp.pad(q, ((0, 0), (0, heads - n), (0, 0)))
+  out = kernel(lengths.astype(jnp.int32), q, keys.swapaxes(1, 2) if interpret else keys,
+               values.astype(q.dtype))
+  return out[:, :n]
 
 
 def visible_slots(lengths, size: int, window: int | None):

@@ -3,7 +3,7 @@ right-hand operands, over output tiles walked by persistent CTAs, with an epilog
 caller's.
 
 ``tiles(x_g, operands, first, stop, step, *, tile, epilogue, prologue=None, scratch=(),
-transposed=False, stages, interpret)`` runs inside a ``plgpu.kernel`` of three warpgroups
+transposed=False, stages)`` runs inside a ``plgpu.kernel`` of three warpgroups
 (axis ``"wg"``; one memory, two compute) and walks output tiles ``first, first + step, ... <
 stop``, the rows fastest, so the CTAs running at once share each right-hand tile through L2.
 A memory warpgroup streams ``x``'s tile and each operand's through a ring of ``stages`` TMA

@@ -162,66 +162,55 @@ def _triton(x, w, b, *, interpret: bool):
 
 
 def _mosaic(x, w, b, *, stages: int = MOSAIC_STAGES, interpret: bool = False):
-  """The Mosaic GPU kernel (module docstring); ``interpret``: Pallas' Mosaic GPU interpreter,
-  three CTAs."""
+  """The Mosaic GPU kernel (module docstring) on ``persistent.tiles``; ``interpret``: Pallas'
+  Mosaic GPU interpreter, three CTAs."""
   n, m = x.shape[0], w.shape[-1]
+  dtype, f32 = x.dtype, jnp.float32
   tile_m, tile_n, _ = MOSAIC_TILE
+  half = tile_m // 2  # rows of a compute warpgroup
   rows = -(-n // tile_m) * tile_m
   tiles = rows // tile_m * (m // tile_n)
   sms = 3 if interpret else getattr(jax.devices()[0], "core_count", 132)
   ctas = min(sms, tiles)
-
-  def kernel(x_g, w_g, b_g, h_g):
-    mosaic_tiles(x_g, w_g, b_g, h_g, lax.axis_index("sm"), tiles, ctas, stages=stages,
-                 interpret=interpret)
-
-  call = plmgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((rows, m), x.dtype), grid=(ctas,), grid_names=("sm",),
-      num_threads=3, thread_name="wg",
-      compiler_params=plmgpu.CompilerParams(
-          lowering_semantics=plmgpu.LoweringSemantics.Warpgroup),
-      interpret=dispatch.mosaic_gpu_interpreter(interpret))
-  return call(jnp.pad(x, ((0, rows - n), (0, 0))), w, b.astype(jnp.float32))[:n]
-
-
-def mosaic_tiles(x_g, w_g, b_g, h_g, first, stop, step, *, stages: int = MOSAIC_STAGES,
-                 interpret: bool = False):
-  """The Mosaic kernel's work (``_mosaic``'s body) on ``persistent.tiles``: output tiles
-  ``first, first + step, ... < stop`` (the rows fastest) of ``h_g`` from ``x_g [R, D]`` (``R``
-  a multiple of 128), ``w_g [2, D, M]`` and the float32 ``b_g [2, M]``."""
-  dtype, f32 = x_g.dtype, jnp.float32
-  tile_m, tile_n, _ = MOSAIC_TILE
-  half = tile_m // 2  # rows of a compute warpgroup
   swizzle = plmgpu.find_swizzle(tile_n * 16)
   out_tr = (plmgpu.TilingTransform((8, swizzle // 2)), plmgpu.SwizzleTransform(swizzle))
   c = math.sqrt(2 / math.pi)
 
-  def prologue(tm, tn, wg, mine, out_s, b_s, b_bar):
-    del tm, mine, out_s
-    plmgpu.copy_gmem_to_smem(b_g.at[:, tn], b_s.at[wg], b_bar.at[wg])
+  def kernel(x_g, w_g, b_g, h_g):
+    def prologue(tm, tn, wg, mine, out_s, b_s, b_bar):
+      del tm, mine, out_s
+      plmgpu.copy_gmem_to_smem(b_g.at[:, tn], b_s.at[wg], b_bar.at[wg])
 
-  def epilogue(accs, tm, tn, wg, mine, out_s, b_s, b_bar):
-    a0, a1 = accs
-    plmgpu.barrier_wait(b_bar.at[wg])
-    if interpret:  # the interpreter has no layouts
-      b0, b1 = b_s[wg, 0], b_s[wg, 1]
-    else:
-      column = plmgpu.Layout.WGMMA.reduce(0)
-      b0 = plmgpu.load(b_s.at[wg, 0], (), layout=column)
-      b1 = plmgpu.load(b_s.at[wg, 1], (), layout=column)
-    bias = lambda v: lax.broadcast_in_dim(v, (half, tile_n), [1])
-    u0 = (a0[...] + bias(b0)).astype(dtype).astype(f32)
-    u1 = (a1[...] + bias(b1)).astype(dtype).astype(f32)
-    gelu = 0.5 * u0 * (1 + jnp.tanh(c * (u0 + 0.044715 * u0 * u0 * u0)))
-    h = (gelu.astype(dtype).astype(f32) * u1).astype(dtype)
-    plmgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read
-    out_s[wg] = h
-    plmgpu.commit_smem()
-    plmgpu.copy_smem_to_gmem(out_s.at[wg], h_g.at[tm].at[mine].at[:, tn])
+    def epilogue(accs, tm, tn, wg, mine, out_s, b_s, b_bar):
+      a0, a1 = accs
+      plmgpu.barrier_wait(b_bar.at[wg])
+      if interpret:  # the interpreter has no layouts
+        b0, b1 = b_s[wg, 0], b_s[wg, 1]
+      else:
+        column = plmgpu.Layout.WGMMA.reduce(0)
+        b0 = plmgpu.load(b_s.at[wg, 0], (), layout=column)
+        b1 = plmgpu.load(b_s.at[wg, 1], (), layout=column)
+      bias = lambda v: lax.broadcast_in_dim(v, (half, tile_n), [1])
+      u0 = (a0[...] + bias(b0)).astype(dtype).astype(f32)
+      u1 = (a1[...] + bias(b1)).astype(dtype).astype(f32)
+      gelu = 0.5 * u0 * (1 + jnp.tanh(c * (u0 + 0.044715 * u0 * u0 * u0)))
+      h = (gelu.astype(dtype).astype(f32) * u1).astype(dtype)
+      plmgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read
+      out_s[wg] = h
+      plmgpu.commit_smem()
+      plmgpu.copy_smem_to_gmem(out_s.at[wg], h_g.at[tm].at[mine].at[:, tn])
 
-  persistent.tiles(
-      x_g, lambda cols: (w_g.at[0, :, cols], w_g.at[1, :, cols]), first, stop, step,
-      tile=MOSAIC_TILE, prologue=prologue, epilogue=epilogue, stages=stages,
-      scratch=(("out_s", plmgpu.SMEM((2, half, tile_n), dtype, transforms=out_tr)),
-               ("b_s", plmgpu.SMEM((2, 2, tile_n), f32)),
-               ("b_bar", plmgpu.Barrier(num_barriers=2))))
+    persistent.tiles(
+        x_g, lambda cols: (w_g.at[0, :, cols], w_g.at[1, :, cols]), lax.axis_index("sm"),
+        tiles, ctas, tile=MOSAIC_TILE, prologue=prologue, epilogue=epilogue, stages=stages,
+        scratch=(("out_s", plmgpu.SMEM((2, half, tile_n), dtype, transforms=out_tr)),
+                 ("b_s", plmgpu.SMEM((2, 2, tile_n), f32)),
+                 ("b_bar", plmgpu.Barrier(num_barriers=2))))
+
+  call = plmgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((rows, m), dtype), grid=(ctas,), grid_names=("sm",),
+      num_threads=3, thread_name="wg",
+      compiler_params=plmgpu.CompilerParams(
+          lowering_semantics=plmgpu.LoweringSemantics.Warpgroup),
+      interpret=dispatch.mosaic_gpu_interpreter(interpret))
+  return call(jnp.pad(x, ((0, rows - n), (0, 0))), w, b.astype(f32))[:n]
