@@ -119,20 +119,18 @@ def gated_up_path(width: int, expanded: int, dtype) -> str:
                            gated_up.mosaic_problem(width, expanded, dtype))
 
 
-# Greedy decoding's output-layer kernel: "auto" (Triton: the Mosaic GPU kernel is not yet timed
-# against it), "mosaic" (Hopper, where it applies) or "triton".
+# Greedy decoding's output-layer kernel: "auto" (Mosaic GPU on Hopper where it applies, else
+# Triton), "mosaic" or "triton"; for benchmarks and debugging, as DECODE_ATTENTION_IMPL.
 GREEDY_IMPL = os.environ.get("GREEDY_IMPL", "auto")
 
 
 def greedy_path(vocab: int, width: int, dtype) -> str:
-  """``"mosaic"`` (wgmma, Hopper only, on request) or ``"triton"`` for
-  ``pallas_kernels.sampling.greedy``."""
+  """``"mosaic"`` (wgmma, Hopper only) or ``"triton"`` for ``pallas_kernels.sampling.greedy``.
+  On a CPU target both run in their interpreters; "auto" takes Triton's, which is faster
+  there."""
   from pallas_kernels.sampling import greedy  # pylint: disable=g-import-not-at-top
-  if GREEDY_IMPL not in ("auto", "mosaic", "triton"):
-    raise ValueError(f"GREEDY_IMPL={GREEDY_IMPL!r}: allowed auto, mosaic, triton")
-  if GREEDY_IMPL == "mosaic" and not greedy.mosaic_problem(vocab, width, dtype):
-    return "mosaic"
-  return "triton"
+  return _mosaic_on_hopper("GREEDY_IMPL", GREEDY_IMPL,
+                           greedy.mosaic_problem(vocab, width, dtype))
 
 
 def _mosaic_on_hopper(name: str, setting: str, problem: str | None) -> str:

@@ -142,6 +142,17 @@ def xla_and_kernel_runs(cfg, field, tokens, segment_pos):
                                       segment_pos) for impl in ("xla", "pallas"))
 
 
+def assert_mosaic_on_hopper(monkeypatch, path, *shapes):
+  """``path(*shapes)`` (a ``dispatch`` choice between a Mosaic GPU and a Triton kernel, setting
+  "auto") takes Triton's interpreter on a CPU, and the Mosaic kernel on Hopper GPUs only."""
+  from pallas_kernels import dispatch  # pylint: disable=g-import-not-at-top
+  assert path(*shapes) == "triton"
+  monkeypatch.setattr(dispatch, "target_platform", lambda: "gpu")
+  for capability, want in ((9.0, "mosaic"), (8.0, "triton"), (10.0, "triton")):
+    monkeypatch.setattr(dispatch, "gpu_capability", lambda c=capability: c)
+    assert path(*shapes) == want
+
+
 def lower_for_cuda(fn, *args) -> str:
   """``jax.jit(fn)`` traced at ``args`` (arrays or ShapeDtypeStructs) and lowered for CUDA on
   this CPU machine, as text. jax 0.10 lowers Triton calls without a GPU; jax 0.11's Triton

@@ -114,10 +114,15 @@ def test_mosaic_kernel_gives_the_triton_kernels_partials():
 
 
 def test_greedy_path(monkeypatch):
-  """``GREEDY_IMPL``: auto and triton take Triton; mosaic takes the Mosaic kernel where its
-  shapes and dtype allow, else Triton; anything else is one line naming the setting."""
+  """``GREEDY_IMPL``: auto takes Triton's interpreter on a CPU and the Mosaic kernel on Hopper
+  GPUs only; mosaic takes it where its shapes and dtype allow, else Triton; anything else is
+  one line naming the setting."""
+  import helpers  # pylint: disable=g-import-not-at-top
   from pallas_kernels import dispatch  # pylint: disable=g-import-not-at-top
-  assert dispatch.greedy_path(256_000, 2048, jnp.bfloat16) == "triton"
+  ok = (256_000, 2048, jnp.bfloat16)
+  helpers.assert_mosaic_on_hopper(monkeypatch, dispatch.greedy_path, *ok)
+  monkeypatch.setattr(dispatch, "GREEDY_IMPL", "triton")
+  assert dispatch.greedy_path(*ok) == "triton"
   monkeypatch.setattr(dispatch, "GREEDY_IMPL", "mosaic")
   assert dispatch.greedy_path(256_000, 2048, jnp.bfloat16) == "mosaic"
   assert dispatch.greedy_path(256_000, 2048, jnp.float32) == "triton"
@@ -129,13 +134,17 @@ def test_greedy_path(monkeypatch):
 
 def test_mosaic_kernel_lowers_for_a_gpu():
   """The Mosaic GPU kernel (the table read transposed by wgmma) lowers for CUDA on this CPU
-  machine at a 1.3B model's output layer."""
+  machine at a 1.3B model's output layer, in clusters of two CTAs (the interpreter has no
+  cluster barriers, so only this lowering and the GPU check cover them) or none."""
   import helpers  # pylint: disable=g-import-not-at-top
-  text = helpers.lower_for_cuda(
-      lambda x, t: greedy.greedy_token(x, t, impl="mosaic"),
-      jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16),
-      jax.ShapeDtypeStruct((256_000, 2048), jnp.bfloat16))
+  shapes = (jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16),
+            jax.ShapeDtypeStruct((256_000, 2048), jnp.bfloat16))
+  text = helpers.lower_for_cuda(lambda x, t: greedy.greedy_token(x, t, impl="mosaic"), *shapes)
   assert text.count("custom_call @mosaic_gpu") == 1 and "@__gpu$xla.gpu.triton" not in text
+  assert greedy.MOSAIC_CLUSTER == 2 and "cluster.wait" in text  # the cluster barrier
+  text = helpers.lower_for_cuda(
+      lambda x, t: greedy._mosaic(x, t, cluster=1)[:2], *shapes)  # pylint: disable=protected-access
+  assert text.count("custom_call @mosaic_gpu") == 1 and "cluster.wait" not in text
 
 
 def _count_kernel_calls(monkeypatch):

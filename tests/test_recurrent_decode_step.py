@@ -141,6 +141,15 @@ def test_gates_update_lowers_for_a_gpu(width, blocks):
           jax.ShapeDtypeStruct((2, 2048, 6144), dtype),
           jax.ShapeDtypeStruct((2, 6144), jnp.float32))
       assert text.count("@__gpu$xla.gpu.triton") == 1 and "pallas_gated_up" in text
+    # the Mosaic GPU kernel, in clusters of two CTAs (covered only here and on the GPU: the
+    # interpreter has no cluster barriers)
+    text = helpers.lower_for_cuda(
+        lambda x, w, b: gated_up.gated_up(x, w, b, impl="mosaic"),
+        jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16),
+        jax.ShapeDtypeStruct((2, 2048, 6144), jnp.bfloat16),
+        jax.ShapeDtypeStruct((2, 6144), jnp.float32))
+    assert text.count("custom_call @mosaic_gpu") == 1 and "@__gpu$xla.gpu.triton" not in text
+    assert gated_up.MOSAIC_CLUSTER == 2 and "cluster.wait" in text
 
 
 @pytest.mark.parametrize("n,d,m,dtype,impl", [
@@ -178,13 +187,10 @@ def test_gated_up_matches_float64(n, d, m, dtype, impl):
 def test_gated_up_path(monkeypatch):
   """auto: Triton's interpreter on a CPU, Mosaic on Hopper GPUs only; shapes and dtypes the
   Mosaic kernel cannot take go to Triton even when asked for; a bad setting is named."""
+  import helpers  # pylint: disable=g-import-not-at-top
   from pallas_kernels import dispatch  # pylint: disable=g-import-not-at-top
   ok = (2048, 6144, jnp.bfloat16)
-  assert dispatch.gated_up_path(*ok) == "triton"
-  monkeypatch.setattr(dispatch, "target_platform", lambda: "gpu")
-  for capability, want in ((9.0, "mosaic"), (8.0, "triton"), (10.0, "triton")):
-    monkeypatch.setattr(dispatch, "gpu_capability", lambda c=capability: c)
-    assert dispatch.gated_up_path(*ok) == want
+  helpers.assert_mosaic_on_hopper(monkeypatch, dispatch.gated_up_path, *ok)
   monkeypatch.setattr(dispatch, "GATED_UP_IMPL", "mosaic")
   assert dispatch.gated_up_path(*ok) == "mosaic"
   for unsupported in ((2048, 6144, jnp.float32), (2048, 6208, jnp.bfloat16),
@@ -206,10 +212,10 @@ def test_decode_kernel_benchmark_script_prints_its_rows():
   assert names[:8] == [
       "XLA", "XLA", "kernel, 32 rows x 4 warps x 32 columns a program",
       "XLA's Conv1D, then the kernel, 32 rows x 4 warps x 32 columns a program", "XLA",
-      "kernel, tile 64x64, K 64, 4 warps, 2 stages", "Mosaic GPU kernel, 2 stages", "XLA"], out
+      "kernel, tile 64x64, K 64, 4 warps, 2 stages", "Mosaic GPU kernel, 2 stages, clusters of 1", "XLA"], out
   # the greedy kernels' rows, with the fraction of rows on which each picks XLA's token
   assert names[8].startswith("kernel, tile 16x256, K 64, 4 warps, 2 stages (same token on "), out
-  assert names[9].startswith("Mosaic GPU kernel, 2 stages (same token on "), out
+  assert names[9].startswith("Mosaic GPU kernel, 2 stages, clusters of 1 (same token on "), out
   # decode attention: ragged and full global caches, then a local ring, each against its kernel
   works = [r.split(" | ")[0].lstrip("| ") for r in rows[10:]]
   mosaic = "Mosaic GPU, 64 keys a slot, 2 slots"

@@ -3,9 +3,13 @@ right-hand operands, over output tiles walked by persistent CTAs, with an epilog
 caller's.
 
 ``tiles(x_g, operands, first, stop, step, *, tile, epilogue, prologue=None, scratch=(),
-transposed=False, stages)`` runs inside a ``plgpu.kernel`` of three warpgroups
+transposed=False, stages, cluster=1)`` runs inside a ``plgpu.kernel`` of three warpgroups
 (axis ``"wg"``; one memory, two compute) and walks output tiles ``first, first + step, ... <
 stop``, the rows fastest, so the CTAs running at once share each right-hand tile through L2.
+With ``cluster`` > 1 (a kernel launched with ``cluster_launch(cluster)``) a tile index stands for
+``cluster`` neighbouring row tiles, one a CTA of the cluster, which load each right-hand tile
+once between them (TMA multicast). ``schedule`` gives the padded rows, the tile count and the
+grid.
 A memory warpgroup streams ``x``'s tile and each operand's through a ring of ``stages`` TMA
 slots (K steps of ``tile[2]``); each compute warpgroup runs wgmma over its 64 rows into one
 ``[64, tile[1]]`` float32 accumulator an operand, then calls
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -44,23 +49,41 @@ def problem(dtype, width: int, columns: int, *, tile, what: str) -> str | None:
   return None
 
 
+def schedule(n: int, columns: int, *, tile, cluster: int, interpret: bool):
+  """``(rows, tiles, grid)`` for ``x [n, D]`` against ``columns`` operand columns: the rows padded
+  to whole tiles of every CTA of a cluster, the number of cluster tiles (``tiles``' ``stop``),
+  and the grid: one cluster for every ``cluster`` SMs, no more than there are tiles (three CTAs
+  in the interpreter)."""
+  rows = -(-n // (tile[0] * cluster)) * tile[0] * cluster
+  tiles = rows // (tile[0] * cluster) * (columns // tile[1])
+  sms = 3 if interpret else getattr(jax.devices()[0], "core_count", 132)
+  return rows, tiles, min(sms // cluster, tiles)
+
+
+def cluster_launch(cluster: int) -> dict:
+  """``plgpu.kernel``'s keyword arguments for clusters of ``cluster`` CTAs (axis
+  ``"cluster"``)."""
+  return dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}
+
+
 def tiles(x_g, operands, first, stop, step, *, tile, epilogue, prologue=None, scratch=(),
-          transposed: bool = False, stages: int):
+          transposed: bool = False, stages: int, cluster: int = 1):
   """See the module docstring. ``scratch``: ``(name, type)`` pairs of the epilogue's shared
   memory and barriers, passed to it (and the prologue) by name."""
   d = x_g.shape[1]
   tile_m, tile_n, tile_k = tile
   half = tile_m // 2  # rows of a compute warpgroup
-  m_tiles = x_g.shape[0] // tile_m
+  m_tiles = x_g.shape[0] // (tile_m * cluster)  # row tiles of a cluster
   swizzle = plgpu.find_swizzle(tile_k * 16)
   in_tr = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
   first_cols = operands(pl.ds(0, tile_n))
 
   def pipeline(body, context):
-    spec = lambda shape, at: plgpu.BlockSpec(shape, at, transforms=in_tr,
-                                             memory_space=plgpu.SMEM)
-    op_spec = (spec((tile_n, tile_k), lambda k: (0, k)) if transposed
-               else spec((tile_k, tile_n), lambda k: (k, 0)))
+    spec = lambda shape, at, shared=(): plgpu.BlockSpec(
+        shape, at, transforms=in_tr, memory_space=plgpu.SMEM, collective_axes=shared)
+    shared = ("cluster",) if cluster > 1 else ()  # the cluster's CTAs share operand tiles
+    op_spec = (spec((tile_n, tile_k), lambda k: (0, k), shared) if transposed
+               else spec((tile_k, tile_n), lambda k: (k, 0), shared))
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(d // tile_k,), memory_registers=40,
         in_specs=[spec((tile_m, tile_k), lambda k: (0, k))] + [op_spec] * len(first_cols),
@@ -74,7 +97,8 @@ def tiles(x_g, operands, first, stop, step, *, tile, epilogue, prologue=None, sc
   def _(allocs, **scratch_refs):
     @pl.loop(first, stop, step=step)
     def _(t):
-      tm, tn = pl.ds(t % m_tiles * tile_m, tile_m), pl.ds(t // m_tiles * tile_n, tile_n)
+      row = t % m_tiles * cluster + (lax.axis_index("cluster") if cluster > 1 else 0)
+      tm, tn = pl.ds(row * tile_m, tile_m), pl.ds(t // m_tiles * tile_n, tile_n)
       at = dict(tm=tm, tn=tn, wg=wg, mine=pl.ds(wg * half, half))  # mine: the warpgroup's rows
 
       def context(run):

@@ -18,14 +18,17 @@ Two implementations of the same tile arithmetic, picked by ``dispatch.gated_up_p
 - Triton (``_triton``): every GPU; float32 too.
 - Mosaic GPU (``_mosaic``, on ``matmul.persistent``'s skeleton), on Hopper for bfloat16 and
   float16 with ``M`` a multiple of 128: one persistent CTA per SM walks the output tiles (rows
-  fastest, so the CTAs running at once share each weight tile through L2). A memory
+  fastest, so the CTAs running at once share each weight tile through L2; clusters of two CTAs
+  on neighbouring row tiles load each weight tile once between them, TMA multicast). A memory
   warpgroup streams ``x`` and both branches' weights through a ring of ``MOSAIC_STAGES`` TMA
   slots; two compute warpgroups each take 64 of the tile's 128 rows of both branches on wgmma
   (two ``64 x 128`` float32 accumulators), and the bias, GeLU and product run in registers
   before a TMA store. On an H200 at Hawk 1.3B's shape
   (2048 rows, ``D`` 2048, ``M`` 6144) it takes 0.153-0.154 ms (668-675 TFLOP/s) against
   0.183-0.193 for the Triton kernel; at 1024 rows 0.084-0.088 against 0.101-0.107
-  (docs/bench/decode_log.md, session 43).
+  (docs/bench/decode_log.md, session 43); with the clusters (session 45) 0.159 against 0.166
+  without, on a slower H200. Pallas' Mosaic GPU interpreter has no cluster barriers:
+  interpreted, the kernel runs without clusters.
 """
 
 from __future__ import annotations
@@ -57,8 +60,11 @@ _K32, _STAGES32 = 32, 2
 # of 64, 4 ring slots (192 KiB; 3 slots: 0.156 against 0.153 ms at 2048 rows, session 43). One
 # persistent CTA per SM with the rows fastest beat a CTA a tile (0.163) and the columns fastest
 # (0.179).
+# Clusters of two CTAs on neighbouring row tiles share each weight tile through TMA multicast:
+# 0.159 against 0.166 ms without at 2048 rows (H200, session 45).
 MOSAIC_TILE = (128, 128, 64)
 MOSAIC_STAGES = 4
+MOSAIC_CLUSTER = 2
 
 # The fewest rows (per device) for which ``model.MLPBlock`` takes the kernel. Fewer rows leave the
 # matmul bound by reading the weights, where XLA's gemm (split over more SMs) is faster: Hawk
@@ -161,17 +167,17 @@ def _triton(x, w, b, *, interpret: bool):
   return h[:n]
 
 
-def _mosaic(x, w, b, *, stages: int = MOSAIC_STAGES, interpret: bool = False):
+def _mosaic(x, w, b, *, stages: int = MOSAIC_STAGES, interpret: bool = False,
+            cluster: int = MOSAIC_CLUSTER):
   """The Mosaic GPU kernel (module docstring) on ``persistent.tiles``; ``interpret``: Pallas'
-  Mosaic GPU interpreter, three CTAs."""
+  Mosaic GPU interpreter, three CTAs and no clusters."""
   n, m = x.shape[0], w.shape[-1]
   dtype, f32 = x.dtype, jnp.float32
   tile_m, tile_n, _ = MOSAIC_TILE
   half = tile_m // 2  # rows of a compute warpgroup
-  rows = -(-n // tile_m) * tile_m
-  tiles = rows // tile_m * (m // tile_n)
-  sms = 3 if interpret else getattr(jax.devices()[0], "core_count", 132)
-  ctas = min(sms, tiles)
+  cluster = 1 if interpret else cluster
+  rows, tiles, grid = persistent.schedule(n, m, tile=MOSAIC_TILE, cluster=cluster,
+                                          interpret=interpret)
   swizzle = plmgpu.find_swizzle(tile_n * 16)
   out_tr = (plmgpu.TilingTransform((8, swizzle // 2)), plmgpu.SwizzleTransform(swizzle))
   c = math.sqrt(2 / math.pi)
@@ -202,14 +208,15 @@ def _mosaic(x, w, b, *, stages: int = MOSAIC_STAGES, interpret: bool = False):
 
     persistent.tiles(
         x_g, lambda cols: (w_g.at[0, :, cols], w_g.at[1, :, cols]), lax.axis_index("sm"),
-        tiles, ctas, tile=MOSAIC_TILE, prologue=prologue, epilogue=epilogue, stages=stages,
+        tiles, grid, tile=MOSAIC_TILE, prologue=prologue, epilogue=epilogue, stages=stages,
+        cluster=cluster,
         scratch=(("out_s", plmgpu.SMEM((2, half, tile_n), dtype, transforms=out_tr)),
                  ("b_s", plmgpu.SMEM((2, 2, tile_n), f32)),
                  ("b_bar", plmgpu.Barrier(num_barriers=2))))
 
   call = plmgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((rows, m), dtype), grid=(ctas,), grid_names=("sm",),
-      num_threads=3, thread_name="wg",
+      kernel, out_type=jax.ShapeDtypeStruct((rows, m), dtype), grid=(grid,), grid_names=("sm",),
+      **persistent.cluster_launch(cluster), num_threads=3, thread_name="wg",
       compiler_params=plmgpu.CompilerParams(
           lowering_semantics=plmgpu.LoweringSemantics.Warpgroup),
       interpret=dispatch.mosaic_gpu_interpreter(interpret))

@@ -21,12 +21,14 @@ Triton lowering (``interpret=True``: Pallas' interpreter, the CPU tests). ``D`` 
 
 A Mosaic GPU version of the same tile arithmetic (``_mosaic``, Hopper, bfloat16 and float16, ``V``
 a multiple of 256) runs on ``matmul.persistent``'s skeleton: persistent CTAs over ``[128, 256]``
-tiles, the rows fastest; a 4-slot TMA ring of ``x`` and table tiles; wgmma over 64 rows a compute
-warpgroup against the table read as it lies (``x table^T``); each row's largest rounded logit
-and first column found in registers and stored by TMA. It is picked only on request
-(``GREEDY_IMPL=mosaic``, ``dispatch.greedy_path``): its partials equal the Triton kernel's bit
-for bit on an H200 at Hawk 1.3B's shape (2048 rows, ``D`` 2048, ``V`` 256,000), but it has not
-been timed against it yet (docs/bench/decode_log.md, session 44).
+tiles, the rows fastest, in clusters of two CTAs on neighbouring row tiles that share each table
+tile through TMA multicast; a 3-slot TMA ring of ``x`` and table tiles; wgmma over 64 rows a
+compute warpgroup against the table read as it lies (``x table^T``); each row's largest rounded
+logit and first column found in registers and stored by TMA. Its partials equal the Triton
+kernel's bit for bit (an H200 at Hawk 1.3B's shape: 2048 rows, ``D`` 2048, ``V`` 256,000), and
+it is the faster there: 3.10 ms against 3.36 (docs/bench/decode_log.md, session 45), so
+``dispatch.greedy_path`` takes it on Hopper (``GREEDY_IMPL=triton`` overrides). Pallas' Mosaic
+GPU interpreter has no cluster barriers: interpreted, the kernel runs without clusters.
 """
 
 from __future__ import annotations
@@ -51,10 +53,13 @@ _WARPS, _STAGES = 8, 3
 # float32 operands: half the K step and 2 stages (shared memory), as ``gated_up``.
 _K32, _STAGES32 = 32, 2
 
-# The Mosaic GPU tile (rows, vocabulary columns, K step) and TMA ring slots: 128 rows as two
-# compute warpgroups of 64, each with one 64 x 256 float32 accumulator.
+# The Mosaic GPU tile (rows, vocabulary columns, K step), TMA ring slots and CTAs a cluster: 128
+# rows as two compute warpgroups of 64, each with one 64 x 256 float32 accumulator. On an H200 at
+# Hawk 1.3B's shape (session 45): 3.10 ms with clusters of two and 3 slots, 3.20 with 4; 3.26
+# without clusters (3 or 4 slots); 3.20 with K steps of 128 and 2 slots.
 MOSAIC_TILE = (128, 256, 64)
-MOSAIC_STAGES = 4
+MOSAIC_STAGES = 3
+MOSAIC_CLUSTER = 2
 
 # The fewest rows (per device) for which the model takes the kernel (``model.decode_impl``). On
 # an H100 at a 1.3B model's output layer (V = 256K, D = 2048; bench_decode_kernels.py, session
@@ -160,16 +165,18 @@ def partials(x, table, *, tile=None, impl: str | None = None, interpret: bool = 
   return best[:n], column[:n], cols
 
 
-def _mosaic(x, table, *, stages: int = MOSAIC_STAGES, interpret: bool = False):
+def _mosaic(x, table, *, stages: int = MOSAIC_STAGES, interpret: bool = False,
+            cluster: int = MOSAIC_CLUSTER):
   """The Mosaic GPU kernel (module docstring); ``interpret``: Pallas' Mosaic GPU interpreter,
-  three CTAs, the table transposed for it (its wgmma takes no transposed operand)."""
+  three CTAs and no clusters, the table transposed for it (its wgmma takes no transposed
+  operand)."""
   n = x.shape[0]
   vocab = table.shape[0]
   tile_m, cols, _ = MOSAIC_TILE
   half = tile_m // 2
-  rows = -(-n // tile_m) * tile_m
-  tiles = rows // tile_m * (vocab // cols)
-  ctas = min(3 if interpret else getattr(jax.devices()[0], "core_count", 132), tiles)
+  cluster = 1 if interpret else cluster
+  rows, tiles, grid = persistent.schedule(n, vocab, tile=MOSAIC_TILE, cluster=cluster,
+                                          interpret=interpret)
   dtype, f32 = x.dtype, jnp.float32
 
   def epilogue(accs, tm, tn, wg, mine, out_s, out_g):
@@ -193,13 +200,14 @@ def _mosaic(x, table, *, stages: int = MOSAIC_STAGES, interpret: bool = False):
   def kernel(x_g, t_g, out_g):
     operands = (lambda c: (t_g.at[:, c],)) if interpret else (lambda c: (t_g.at[c],))
     persistent.tiles(
-        x_g, operands, lax.axis_index("sm"), tiles, ctas, tile=MOSAIC_TILE,
-        epilogue=functools.partial(epilogue, out_g=out_g), stages=stages,
+        x_g, operands, lax.axis_index("sm"), tiles, grid, tile=MOSAIC_TILE,
+        epilogue=functools.partial(epilogue, out_g=out_g), stages=stages, cluster=cluster,
         transposed=not interpret, scratch=(("out_s", plmgpu.SMEM((2, 2, half), f32)),))
 
   call = plmgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((2, vocab // cols, rows), f32), grid=(ctas,),
+      kernel, out_type=jax.ShapeDtypeStruct((2, vocab // cols, rows), f32), grid=(grid,),
       grid_names=("sm",), num_threads=3, thread_name="wg",
+      **persistent.cluster_launch(cluster),
       compiler_params=plmgpu.CompilerParams(
           lowering_semantics=plmgpu.LoweringSemantics.Warpgroup),
       interpret=dispatch.mosaic_gpu_interpreter(interpret))

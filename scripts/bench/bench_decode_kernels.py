@@ -240,7 +240,8 @@ def main():
       up = lambda mlp, x, stages=stages: gated_up._mosaic(  # pylint: disable=protected-access
           x[:, 0], mlp.ffw_up.w[...].astype(x.dtype), mlp.ffw_up.b[...].reshape(2, -1),
           stages=stages, interpret=interpret)
-      row("MLP up-projection + GeLU gating", f"Mosaic GPU kernel, {stages} stages",
+      row("MLP up-projection + GeLU gating", f"Mosaic GPU kernel, {stages} stages, clusters "
+          f"of {1 if interpret else gated_up.MOSAIC_CLUSTER}",
           per_step(mlp_body(up), mlp, mlp_carry), mlp_floor)
   if "greedy" in only:
     greedy_rows(row, per_step, xm[:, 0], args.vocab, peak, args.greedy_tiles,
@@ -298,7 +299,8 @@ def greedy_rows(row, per_step, x, vocab, peak, greedy_tiles, mosaic_stages, inte
       got = jax.jit(kernel)(table, x)
       agree = float(jnp.mean(got == want))
       ms = per_step(body(wrap(kernel)), module, x)
-      row("greedy token (output layer + argmax)", f"Mosaic GPU kernel, {stages} stages (same "
+      row("greedy token (output layer + argmax)", f"Mosaic GPU kernel, {stages} stages, clusters "
+          f"of {1 if interpret else greedy.MOSAIC_CLUSTER} (same "
           f"token on {agree:.2%} of rows)", ms, floor)
     except Exception as err:  # pylint: disable=broad-except
       print(f"| greedy token | Mosaic GPU kernel, {stages} stages | error: "
