@@ -135,16 +135,18 @@ def test_greedy_path(monkeypatch):
 def test_mosaic_kernel_lowers_for_a_gpu():
   """The Mosaic GPU kernel (the table read transposed by wgmma) lowers for CUDA on this CPU
   machine at a 1.3B model's output layer, in clusters of two CTAs (the interpreter has no
-  cluster barriers, so only this lowering and the GPU check cover them) or none."""
+  cluster barriers, so only this lowering and the GPU check cover them), or none where asked
+  or below ``MOSAIC_CLUSTER_ROWS`` rows."""
   import helpers  # pylint: disable=g-import-not-at-top
   shapes = (jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16),
             jax.ShapeDtypeStruct((256_000, 2048), jnp.bfloat16))
   text = helpers.lower_for_cuda(lambda x, t: greedy.greedy_token(x, t, impl="mosaic"), *shapes)
   assert text.count("custom_call @mosaic_gpu") == 1 and "@__gpu$xla.gpu.triton" not in text
   assert greedy.MOSAIC_CLUSTER == 2 and "cluster.wait" in text  # the cluster barrier
-  text = helpers.lower_for_cuda(
-      lambda x, t: greedy._mosaic(x, t, cluster=1)[:2], *shapes)  # pylint: disable=protected-access
-  assert text.count("custom_call @mosaic_gpu") == 1 and "cluster.wait" not in text
+  for fewer in (jax.ShapeDtypeStruct((256, 2048), jnp.bfloat16), shapes[1]), shapes:  # no clusters
+    text = helpers.lower_for_cuda(lambda x, t: greedy._mosaic(  # pylint: disable=protected-access
+        x, t, cluster=1 if x.shape[0] == 2048 else 2)[:2], *fewer)
+    assert text.count("custom_call @mosaic_gpu") == 1 and "cluster.wait" not in text
 
 
 def _count_kernel_calls(monkeypatch):

@@ -56,10 +56,13 @@ _K32, _STAGES32 = 32, 2
 # The Mosaic GPU tile (rows, vocabulary columns, K step), TMA ring slots and CTAs a cluster: 128
 # rows as two compute warpgroups of 64, each with one 64 x 256 float32 accumulator. On an H200 at
 # Hawk 1.3B's shape (session 45): 3.10 ms with clusters of two and 3 slots, 3.20 with 4; 3.26
-# without clusters (3 or 4 slots); 3.20 with K steps of 128 and 2 slots.
+# without clusters (3 or 4 slots); 3.20 with K steps of 128 and 2 slots. Clusters from
+# MOSAIC_CLUSTER_ROWS rows: at 512 rows 0.779 ms against 0.845 without, at 256 0.436 against
+# 0.428, at 128 (padded to 256) 0.410 against 0.292.
 MOSAIC_TILE = (128, 256, 64)
 MOSAIC_STAGES = 3
 MOSAIC_CLUSTER = 2
+MOSAIC_CLUSTER_ROWS = 512
 
 # The fewest rows (per device) for which the model takes the kernel (``model.decode_impl``). On
 # an H100 at a 1.3B model's output layer (V = 256K, D = 2048; bench_decode_kernels.py, session
@@ -169,12 +172,13 @@ def _mosaic(x, table, *, stages: int = MOSAIC_STAGES, interpret: bool = False,
             cluster: int = MOSAIC_CLUSTER):
   """The Mosaic GPU kernel (module docstring); ``interpret``: Pallas' Mosaic GPU interpreter,
   three CTAs and no clusters, the table transposed for it (its wgmma takes no transposed
-  operand)."""
+  operand). Clusters of ``cluster`` CTAs from ``MOSAIC_CLUSTER_ROWS`` rows."""
   n = x.shape[0]
   vocab = table.shape[0]
   tile_m, cols, _ = MOSAIC_TILE
   half = tile_m // 2
-  cluster = 1 if interpret else cluster
+  # (fewer than MOSAIC_CLUSTER_ROWS rows: no clusters, whose row tiles would be mostly padding)
+  cluster = 1 if interpret or n < MOSAIC_CLUSTER_ROWS else cluster
   rows, tiles, grid = persistent.schedule(n, vocab, tile=MOSAIC_TILE, cluster=cluster,
                                           interpret=interpret)
   dtype, f32 = x.dtype, jnp.float32
