@@ -283,3 +283,19 @@ def test_decoding_with_the_decode_inputs_kernel_equals_the_xla_step(monkeypatch)
   want, got = np.asarray(out["xla"].logits, np.float32), np.asarray(out["mosaic"].logits, np.float32)
   np.testing.assert_allclose(got, want, atol=0.05 * np.abs(want).max())
   assert np.mean(out["mosaic"].tokens == out["xla"].tokens) > 0.95
+
+
+def test_decode_inputs_kernel_lowers_for_a_gpu():
+  """The decoding-inputs kernel lowers for CUDA on this CPU machine at Hawk 1.3B's shapes, in
+  clusters of two CTAs where the rows fill whole cluster tiles (2048) and without (1152): the
+  interpreter has no cluster barriers, so only this and the GPU check cover them."""
+  import helpers  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.rg_lru import decode_inputs as di  # pylint: disable=g-import-not-at-top
+  s = jax.ShapeDtypeStruct
+  d, e = 2048, 2560
+  for n, clustered in ((2048, True), (1152, False)):
+    text = helpers.lower_for_cuda(
+        di.decode_inputs, s((n, d), jnp.bfloat16), s((d, e), jnp.bfloat16), s((e,), jnp.float32),
+        s((d, e), jnp.bfloat16), s((e,), jnp.float32), s((4, e), jnp.float32),
+        s((e,), jnp.float32), s((3, n, e), jnp.bfloat16), s((), jnp.int32), s((n,), jnp.int32))
+    assert text.count("custom_call @mosaic_gpu") == 1 and ("cluster.wait" in text) == clustered

@@ -38,6 +38,7 @@ from pallas_kernels.matmul import persistent
 
 TILE = (128, 128, 64)
 STAGES = 3
+CLUSTER = 2  # CTAs a cluster (neighbouring row tiles sharing each weight tile), as gated_up's
 TAPS = 3  # a Conv1D of temporal width 4: the token and three earlier inputs
 
 
@@ -81,13 +82,15 @@ def decode_inputs(x, w_x, b_x, w_y, b_y, conv_w, conv_b, ring, count, segment_po
 
 
 def _mosaic(x, w_x, b_x, w_y, b_y, conv_w, conv_b, ring, count, segment_pos, *,
-            interpret: bool, stages: int = STAGES):
+            interpret: bool, stages: int = STAGES, cluster: int = CLUSTER):
   n, _ = x.shape
   e = w_x.shape[1]
   dtype, f32 = x.dtype, jnp.float32
   tile_m, tile_n, _ = TILE
   half = tile_m // 2
-  _, tiles, grid = persistent.schedule(n, 2 * e, tile=TILE, cluster=1, interpret=interpret)
+  # (the interpreter has no cluster barriers; rows not in whole cluster tiles take none)
+  cluster = 1 if interpret or n % (tile_m * cluster) else cluster
+  _, tiles, grid = persistent.schedule(n, 2 * e, tile=TILE, cluster=cluster, interpret=interpret)
   x_tiles = tiles // 2  # the column tiles of x_lin come first: t // row tiles < e // tile_n
   # The vectors, float32, one row each: b_x, conv_w[0..3], conv_b, b_y.
   params = jnp.concatenate([b_x[None], conv_w, conv_b[None], b_y[None]]).astype(f32)
@@ -160,14 +163,14 @@ def _mosaic(x, w_x, b_x, w_y, b_y, conv_w, conv_b, ring, count, segment_pos, *,
                ("valid_s", plmgpu.SMEM((2, TAPS, half), f32)))
     persistent.tiles(
         x_g, lambda cols: (wx_g.at[:, cols],), first, x_tiles, step, tile=TILE,
-        prologue=x_prologue, epilogue=x_epilogue, stages=stages,
+        prologue=x_prologue, epilogue=x_epilogue, stages=stages, cluster=cluster,
         scratch=(("taps_s", plmgpu.SMEM((2, TAPS, half, tile_n), dtype, transforms=tr)),
                  *vectors, ("bar", plmgpu.Barrier(num_arrivals=2 + TAPS, num_barriers=2))))
     # this CTA's first y tile: its progression continued past the x tiles
     y_first = first + (x_tiles - first + step - 1) // step * step
     persistent.tiles(
         x_g, lambda cols: (wy_g.at[:, pl.ds(cols.start - e, tile_n)],), y_first, tiles, step,
-        tile=TILE, prologue=y_prologue, epilogue=y_epilogue, stages=stages,
+        tile=TILE, prologue=y_prologue, epilogue=y_epilogue, stages=stages, cluster=cluster,
         scratch=(("out_s", plmgpu.SMEM((2, half, tile_n), dtype, transforms=tr)), *vectors,
                  ("bar", plmgpu.Barrier(num_arrivals=1, num_barriers=2))))
 
@@ -176,7 +179,8 @@ def _mosaic(x, w_x, b_x, w_y, b_y, conv_w, conv_b, ring, count, segment_pos, *,
   # written in place
   call = pl.kernel(
       kernel, out_type=(jax.ShapeDtypeStruct((n, e), dtype), jax.ShapeDtypeStruct((n, e), dtype)),
-      mesh=plmgpu.Mesh(grid=(grid,), grid_names=("sm",), num_threads=3, thread_name="wg"),
+      mesh=plmgpu.Mesh(grid=(grid,), grid_names=("sm",), num_threads=3, thread_name="wg",
+                       **persistent.cluster_launch(cluster)),
       compiler_params=plmgpu.CompilerParams(
           lowering_semantics=plmgpu.LoweringSemantics.Warpgroup),
       interpret=dispatch.mosaic_gpu_interpreter(interpret), name="decode_inputs")
