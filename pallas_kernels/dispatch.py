@@ -147,9 +147,11 @@ def decode_inputs_path(rows: int, width: int, expanded: int, dtype) -> str:
     raise ValueError(f"DECODE_INPUTS_IMPL={DECODE_INPUTS_IMPL!r}: allowed xla, mosaic")
   if DECODE_INPUTS_IMPL == "xla" or decode_inputs.problem(rows, width, expanded, dtype):
     return "xla"
-  platform = target_platform()
-  hopper = platform == "gpu" and int(gpu_capability() or 0) == 9
-  return "mosaic" if hopper or platform == "cpu" else "xla"
+  return "mosaic" if _hopper() or target_platform() == "cpu" else "xla"
+
+
+def _hopper() -> bool:
+  return target_platform() == "gpu" and int(gpu_capability() or 0) == 9
 
 
 def _mosaic_on_hopper(name: str, setting: str, problem: str | None) -> str:
@@ -162,5 +164,4 @@ def _mosaic_on_hopper(name: str, setting: str, problem: str | None) -> str:
     return "triton"
   if setting == "mosaic":
     return "mosaic"
-  hopper = target_platform() == "gpu" and int(gpu_capability() or 0) == 9
-  return "mosaic" if hopper else "triton"
+  return "mosaic" if _hopper() else "triton"

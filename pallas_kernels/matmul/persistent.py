@@ -50,14 +50,16 @@ def problem(dtype, width: int, columns: int, *, tile, what: str) -> str | None:
 
 
 def schedule(n: int, columns: int, *, tile, cluster: int, interpret: bool):
-  """``(rows, tiles, grid)`` for ``x [n, D]`` against ``columns`` operand columns: the rows padded
-  to whole tiles of every CTA of a cluster, the number of cluster tiles (``tiles``' ``stop``),
-  and the grid: one cluster for every ``cluster`` SMs, no more than there are tiles (three CTAs
-  in the interpreter)."""
+  """``(rows, tiles, grid, cluster)`` for ``x [n, D]`` against ``columns`` operand columns: the
+  rows padded to whole tiles of every CTA of a cluster, the number of cluster tiles (``tiles``'
+  ``stop``), the grid (one cluster for every ``cluster`` SMs, no more than there are tiles), and
+  the CTAs a cluster. Pallas' Mosaic GPU interpreter has no cluster barriers: there, three CTAs
+  and no clusters."""
+  cluster = 1 if interpret else cluster
   rows = -(-n // (tile[0] * cluster)) * tile[0] * cluster
   tiles = rows // (tile[0] * cluster) * (columns // tile[1])
   sms = 3 if interpret else getattr(jax.devices()[0], "core_count", 132)
-  return rows, tiles, min(sms // cluster, tiles)
+  return rows, tiles, min(sms // cluster, tiles), cluster
 
 
 def cluster_launch(cluster: int) -> dict:

@@ -175,8 +175,7 @@ def _mosaic(x, w, b, *, stages: int = MOSAIC_STAGES, interpret: bool = False,
   dtype, f32 = x.dtype, jnp.float32
   tile_m, tile_n, _ = MOSAIC_TILE
   half = tile_m // 2  # rows of a compute warpgroup
-  cluster = 1 if interpret else cluster
-  rows, tiles, grid = persistent.schedule(n, m, tile=MOSAIC_TILE, cluster=cluster,
+  rows, tiles, grid, cluster = persistent.schedule(n, m, tile=MOSAIC_TILE, cluster=cluster,
                                           interpret=interpret)
   swizzle = plmgpu.find_swizzle(tile_n * 16)
   out_tr = (plmgpu.TilingTransform((8, swizzle // 2)), plmgpu.SwizzleTransform(swizzle))

@@ -88,9 +88,9 @@ def _mosaic(x, w_x, b_x, w_y, b_y, conv_w, conv_b, ring, count, segment_pos, *,
   dtype, f32 = x.dtype, jnp.float32
   tile_m, tile_n, _ = TILE
   half = tile_m // 2
-  # (the interpreter has no cluster barriers; rows not in whole cluster tiles take none)
-  cluster = 1 if interpret or n % (tile_m * cluster) else cluster
-  _, tiles, grid = persistent.schedule(n, 2 * e, tile=TILE, cluster=cluster, interpret=interpret)
+  # (rows not in whole cluster tiles take none: the ring is written in place, so not padded)
+  _, tiles, grid, cluster = persistent.schedule(
+      n, 2 * e, tile=TILE, cluster=1 if n % (tile_m * cluster) else cluster, interpret=interpret)
   x_tiles = tiles // 2  # the column tiles of x_lin come first: t // row tiles < e // tile_n
   # The vectors, float32, one row each: b_x, conv_w[0..3], conv_b, b_y.
   params = jnp.concatenate([b_x[None], conv_w, conv_b[None], b_y[None]]).astype(f32)
@@ -103,11 +103,6 @@ def _mosaic(x, w_x, b_x, w_y, b_y, conv_w, conv_b, ring, count, segment_pos, *,
   def kernel(x_g, wx_g, wy_g, par_g, slots_g, valid_g, ring_g, xc_g, y_g):
     first, step = lax.axis_index("sm"), grid
 
-    def load_vectors(tn, wg, mine, tm, par_s, valid_s, bar, rows):
-      plmgpu.copy_gmem_to_smem(par_g.at[:, tn], par_s.at[wg], bar.at[wg])
-      if rows:
-        plmgpu.copy_gmem_to_smem(valid_g.at[:, pl.ds(tm.start + mine.start, half)],
-                                 valid_s.at[wg], bar.at[wg])
 
     def column(par_s, wg, i):
       if interpret:  # the interpreter has no layouts
@@ -125,7 +120,9 @@ def _mosaic(x, w_x, b_x, w_y, b_y, conv_w, conv_b, ring, count, segment_pos, *,
 
     def x_prologue(tm, tn, wg, mine, taps_s, par_s, valid_s, bar):
       plmgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores have read
-      load_vectors(tn, wg, mine, tm, par_s, valid_s, bar, rows=True)
+      plmgpu.copy_gmem_to_smem(par_g.at[:, tn], par_s.at[wg], bar.at[wg])
+      plmgpu.copy_gmem_to_smem(valid_g.at[:, pl.ds(tm.start + mine.start, half)],
+                               valid_s.at[wg], bar.at[wg])
       for s in range(TAPS):
         plmgpu.copy_gmem_to_smem(ring_g.at[slots_g[s]].at[tm].at[mine].at[:, tn],
                                  taps_s.at[wg, s], bar.at[wg])
@@ -146,12 +143,11 @@ def _mosaic(x, w_x, b_x, w_y, b_y, conv_w, conv_b, ring, count, segment_pos, *,
       plmgpu.copy_smem_to_gmem(taps_s.at[wg, TAPS - 1],
                                ring_g.at[slots_g[TAPS - 1]].at[tm].at[mine].at[:, tn])
 
-    def y_prologue(tm, tn, wg, mine, out_s, par_s, valid_s, bar):
-      del out_s
-      load_vectors(pl.ds(tn.start - e, tile_n), wg, mine, tm, par_s, valid_s, bar, rows=False)
+    def y_prologue(tm, tn, wg, mine, out_s, par_s, bar):
+      del tm, mine, out_s
+      plmgpu.copy_gmem_to_smem(par_g.at[:, pl.ds(tn.start - e, tile_n)], par_s.at[wg], bar.at[wg])
 
-    def y_epilogue(accs, tm, tn, wg, mine, out_s, par_s, valid_s, bar):
-      del valid_s
+    def y_epilogue(accs, tm, tn, wg, mine, out_s, par_s, bar):
       plmgpu.barrier_wait(bar.at[wg])
       y = rounded(rounded(accs[0][...]) + column(par_s, wg, 3 + TAPS))
       plmgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read
@@ -159,19 +155,19 @@ def _mosaic(x, w_x, b_x, w_y, b_y, conv_w, conv_b, ring, count, segment_pos, *,
       plmgpu.commit_smem()
       plmgpu.copy_smem_to_gmem(out_s.at[wg], y_g.at[tm].at[mine].at[:, pl.ds(tn.start - e, tile_n)])
 
-    vectors = (("par_s", plmgpu.SMEM((2, TAPS + 4, tile_n), f32)),
-               ("valid_s", plmgpu.SMEM((2, TAPS, half), f32)))
+    par = ("par_s", plmgpu.SMEM((2, TAPS + 4, tile_n), f32))
     persistent.tiles(
         x_g, lambda cols: (wx_g.at[:, cols],), first, x_tiles, step, tile=TILE,
         prologue=x_prologue, epilogue=x_epilogue, stages=stages, cluster=cluster,
         scratch=(("taps_s", plmgpu.SMEM((2, TAPS, half, tile_n), dtype, transforms=tr)),
-                 *vectors, ("bar", plmgpu.Barrier(num_arrivals=2 + TAPS, num_barriers=2))))
+                 par, ("valid_s", plmgpu.SMEM((2, TAPS, half), f32)),
+                 ("bar", plmgpu.Barrier(num_arrivals=2 + TAPS, num_barriers=2))))
     # this CTA's first y tile: its progression continued past the x tiles
     y_first = first + (x_tiles - first + step - 1) // step * step
     persistent.tiles(
         x_g, lambda cols: (wy_g.at[:, pl.ds(cols.start - e, tile_n)],), y_first, tiles, step,
         tile=TILE, prologue=y_prologue, epilogue=y_epilogue, stages=stages, cluster=cluster,
-        scratch=(("out_s", plmgpu.SMEM((2, half, tile_n), dtype, transforms=tr)), *vectors,
+        scratch=(("out_s", plmgpu.SMEM((2, half, tile_n), dtype, transforms=tr)), par,
                  ("bar", plmgpu.Barrier(num_arrivals=1, num_barriers=2))))
 
   ring_ref = jax.new_ref(ring, memory_space=plmgpu.GMEM)

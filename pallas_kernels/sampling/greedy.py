@@ -178,9 +178,9 @@ def _mosaic(x, table, *, stages: int = MOSAIC_STAGES, interpret: bool = False,
   tile_m, cols, _ = MOSAIC_TILE
   half = tile_m // 2
   # (fewer than MOSAIC_CLUSTER_ROWS rows: no clusters, whose row tiles would be mostly padding)
-  cluster = 1 if interpret or n < MOSAIC_CLUSTER_ROWS else cluster
-  rows, tiles, grid = persistent.schedule(n, vocab, tile=MOSAIC_TILE, cluster=cluster,
-                                          interpret=interpret)
+  rows, tiles, grid, cluster = persistent.schedule(
+      n, vocab, tile=MOSAIC_TILE, cluster=1 if n < MOSAIC_CLUSTER_ROWS else cluster,
+      interpret=interpret)
   dtype, f32 = x.dtype, jnp.float32
 
   def epilogue(accs, tm, tn, wg, mine, out_s, out_g):
