@@ -8,8 +8,8 @@ transposed=False, stages, cluster=1)`` runs inside a ``plgpu.kernel`` of three w
 stop``, the rows fastest, so the CTAs running at once share each right-hand tile through L2.
 With ``cluster`` > 1 (a kernel launched with ``cluster_launch(cluster)``) a tile index stands for
 ``cluster`` neighbouring row tiles, one a CTA of the cluster, which load each right-hand tile
-once between them (TMA multicast). ``schedule`` gives the padded rows, the tile count and the
-grid.
+once between them (TMA multicast). ``schedule`` gives the padded rows, the tile count, the
+grid and the cluster size (none in the interpreter).
 A memory warpgroup streams ``x``'s tile and each operand's through a ring of ``stages`` TMA
 slots (K steps of ``tile[2]``); each compute warpgroup runs wgmma over its 64 rows into one
 ``[64, tile[1]]`` float32 accumulator an operand, then calls
