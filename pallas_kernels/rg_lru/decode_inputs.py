@@ -37,7 +37,7 @@ from pallas_kernels import dispatch
 from pallas_kernels.matmul import persistent
 
 TILE = (128, 128, 64)
-STAGES = 3
+STAGES = 2  # with the ring's tiles, three slots of K steps would not fit in shared memory
 CLUSTER = 2  # CTAs a cluster (neighbouring row tiles sharing each weight tile), as gated_up's
 TAPS = 3  # a Conv1D of temporal width 4: the token and three earlier inputs
 
@@ -82,16 +82,15 @@ def decode_inputs(x, w_x, b_x, w_y, b_y, conv_w, conv_b, ring, count, segment_po
 
 
 def _mosaic(x, w_x, b_x, w_y, b_y, conv_w, conv_b, ring, count, segment_pos, *,
-            interpret: bool, stages: int = STAGES, cluster: int = CLUSTER):
+            interpret: bool, stages: int = STAGES, cluster: int = CLUSTER, tile=TILE):
   n, _ = x.shape
   e = w_x.shape[1]
   dtype, f32 = x.dtype, jnp.float32
-  tile_m, tile_n, _ = TILE
+  tile_m, tile_n, _ = tile
   half = tile_m // 2
   # (rows not in whole cluster tiles take none: the ring is written in place, so not padded)
   _, tiles, grid, cluster = persistent.schedule(
-      n, 2 * e, tile=TILE, cluster=1 if n % (tile_m * cluster) else cluster, interpret=interpret)
-  x_tiles = tiles // 2  # the column tiles of x_lin come first: t // row tiles < e // tile_n
+      n, e, tile=tile, cluster=1 if n % (tile_m * cluster) else cluster, interpret=interpret)
   # The vectors, float32, one row each: b_x, conv_w[0..3], conv_b, b_y.
   params = jnp.concatenate([b_x[None], conv_w, conv_b[None], b_y[None]]).astype(f32)
   slots = ((count - jnp.arange(1, TAPS + 1)) % TAPS).astype(jnp.int32)  # tap s's ring slot
@@ -101,9 +100,6 @@ def _mosaic(x, w_x, b_x, w_y, b_y, conv_w, conv_b, ring, count, segment_pos, *,
   rounded = lambda v: v.astype(dtype).astype(f32)
 
   def kernel(x_g, wx_g, wy_g, par_g, slots_g, valid_g, ring_g, xc_g, y_g):
-    first, step = lax.axis_index("sm"), grid
-
-
     def column(par_s, wg, i):
       if interpret:  # the interpreter has no layouts
         v = par_s[wg, i]
@@ -118,7 +114,7 @@ def _mosaic(x, w_x, b_x, w_y, b_y, conv_w, conv_b, ring, count, segment_pos, *,
         v = plmgpu.load(valid_s.at[wg, s], (), layout=plmgpu.Layout.WGMMA.reduce(1))
       return lax.broadcast_in_dim(v, (half, tile_n), [0]) > 0.5
 
-    def x_prologue(tm, tn, wg, mine, taps_s, par_s, valid_s, bar):
+    def prologue(tm, tn, wg, mine, taps_s, par_s, valid_s, bar):
       plmgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores have read
       plmgpu.copy_gmem_to_smem(par_g.at[:, tn], par_s.at[wg], bar.at[wg])
       plmgpu.copy_gmem_to_smem(valid_g.at[:, pl.ds(tm.start + mine.start, half)],
@@ -127,7 +123,7 @@ def _mosaic(x, w_x, b_x, w_y, b_y, conv_w, conv_b, ring, count, segment_pos, *,
         plmgpu.copy_gmem_to_smem(ring_g.at[slots_g[s]].at[tm].at[mine].at[:, tn],
                                  taps_s.at[wg, s], bar.at[wg])
 
-    def x_epilogue(accs, tm, tn, wg, mine, taps_s, par_s, valid_s, bar):
+    def epilogue(accs, tm, tn, wg, mine, taps_s, par_s, valid_s, bar):
       plmgpu.barrier_wait(bar.at[wg])
       x_lin = rounded(rounded(accs[0][...]) + column(par_s, wg, 0))
       xc = rounded(rounded(x_lin * column(par_s, wg, 1 + TAPS)) + column(par_s, wg, 2 + TAPS))
@@ -136,39 +132,23 @@ def _mosaic(x, w_x, b_x, w_y, b_y, conv_w, conv_b, ring, count, segment_pos, *,
         term = rounded(jnp.where(row(valid_s, wg, s - 1), tap, 0.0)
                        * column(par_s, wg, 1 + TAPS - s))
         xc = rounded(xc + term)
-      taps_s[wg, 0] = xc.astype(dtype)  # (the taps are in registers now)
-      taps_s[wg, TAPS - 1] = x_lin.astype(dtype)
+      y = rounded(rounded(accs[1][...]) + column(par_s, wg, 3 + TAPS))
+      # (the taps are in registers now: their slots take the outputs)
+      for s, v in enumerate((xc, y, x_lin)):
+        taps_s[wg, s] = v.astype(dtype)
       plmgpu.commit_smem()
       plmgpu.copy_smem_to_gmem(taps_s.at[wg, 0], xc_g.at[tm].at[mine].at[:, tn])
+      plmgpu.copy_smem_to_gmem(taps_s.at[wg, 1], y_g.at[tm].at[mine].at[:, tn])
       plmgpu.copy_smem_to_gmem(taps_s.at[wg, TAPS - 1],
                                ring_g.at[slots_g[TAPS - 1]].at[tm].at[mine].at[:, tn])
 
-    def y_prologue(tm, tn, wg, mine, out_s, par_s, bar):
-      del tm, mine, out_s
-      plmgpu.copy_gmem_to_smem(par_g.at[:, pl.ds(tn.start - e, tile_n)], par_s.at[wg], bar.at[wg])
-
-    def y_epilogue(accs, tm, tn, wg, mine, out_s, par_s, bar):
-      plmgpu.barrier_wait(bar.at[wg])
-      y = rounded(rounded(accs[0][...]) + column(par_s, wg, 3 + TAPS))
-      plmgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read
-      out_s[wg] = y.astype(dtype)
-      plmgpu.commit_smem()
-      plmgpu.copy_smem_to_gmem(out_s.at[wg], y_g.at[tm].at[mine].at[:, pl.ds(tn.start - e, tile_n)])
-
-    par = ("par_s", plmgpu.SMEM((2, TAPS + 4, tile_n), f32))
     persistent.tiles(
-        x_g, lambda cols: (wx_g.at[:, cols],), first, x_tiles, step, tile=TILE,
-        prologue=x_prologue, epilogue=x_epilogue, stages=stages, cluster=cluster,
+        x_g, lambda cols: (wx_g.at[:, cols], wy_g.at[:, cols]), lax.axis_index("sm"), tiles,
+        grid, tile=tile, prologue=prologue, epilogue=epilogue, stages=stages, cluster=cluster,
         scratch=(("taps_s", plmgpu.SMEM((2, TAPS, half, tile_n), dtype, transforms=tr)),
-                 par, ("valid_s", plmgpu.SMEM((2, TAPS, half), f32)),
+                 ("par_s", plmgpu.SMEM((2, TAPS + 4, tile_n), f32)),
+                 ("valid_s", plmgpu.SMEM((2, TAPS, half), f32)),
                  ("bar", plmgpu.Barrier(num_arrivals=2 + TAPS, num_barriers=2))))
-    # this CTA's first y tile: its progression continued past the x tiles
-    y_first = first + (x_tiles - first + step - 1) // step * step
-    persistent.tiles(
-        x_g, lambda cols: (wy_g.at[:, pl.ds(cols.start - e, tile_n)],), y_first, tiles, step,
-        tile=TILE, prologue=y_prologue, epilogue=y_epilogue, stages=stages, cluster=cluster,
-        scratch=(("out_s", plmgpu.SMEM((2, half, tile_n), dtype, transforms=tr)), par,
-                 ("bar", plmgpu.Barrier(num_arrivals=1, num_barriers=2))))
 
   ring_ref = jax.new_ref(ring, memory_space=plmgpu.GMEM)
   # pl.kernel (plgpu.kernel's batching wrapper takes no Ref operands): the ring, a Ref, is
