@@ -133,23 +133,6 @@ def greedy_path(vocab: int, width: int, dtype) -> str:
                            greedy.mosaic_problem(vocab, width, dtype))
 
 
-# A recurrent block's decoding inputs (both projections, the Conv1D, the ring's slot write) as
-# one Mosaic GPU kernel (``rg_lru.decode_inputs``): "xla" (two gemms, XLA's Conv1D and slot
-# write: the default until the kernel is timed) or "mosaic" (Hopper GPUs and the interpreter on
-# a CPU, where its shapes allow).
-DECODE_INPUTS_IMPL = os.environ.get("DECODE_INPUTS_IMPL", "xla")
-
-
-def decode_inputs_path(rows: int, width: int, expanded: int, dtype) -> str:
-  """``"mosaic"`` or ``"xla"`` for a recurrent block's decoding inputs (``DECODE_INPUTS_IMPL``)."""
-  from pallas_kernels.rg_lru import decode_inputs  # pylint: disable=g-import-not-at-top
-  if DECODE_INPUTS_IMPL not in ("xla", "mosaic"):
-    raise ValueError(f"DECODE_INPUTS_IMPL={DECODE_INPUTS_IMPL!r}: allowed xla, mosaic")
-  if DECODE_INPUTS_IMPL == "xla" or decode_inputs.problem(rows, width, expanded, dtype):
-    return "xla"
-  return "mosaic" if _hopper() or target_platform() == "cpu" else "xla"
-
-
 def _hopper() -> bool:
   return target_platform() == "gpu" and int(gpu_capability() or 0) == 9
 

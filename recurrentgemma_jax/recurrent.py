@@ -25,7 +25,6 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels import dispatch
 from pallas_kernels import gates
 from pallas_kernels.rg_lru import decode as decode_kernel
-from pallas_kernels.rg_lru import decode_inputs as decode_inputs_kernel
 from recurrentgemma_jax import layers
 from recurrentgemma_jax import scan as scan_lib
 from sharding import partitioning
@@ -204,13 +203,12 @@ class RecurrentBlock(nnx.Module):
       segment_pos: Int[Array, "b t"],
       cache: RecurrentCache | None = None,
   ) -> tuple[Float[Array, "b t d"], RecurrentCache]:
+    y = self.linear_y(x)
+    x = self.linear_x(x)
     count = 0 if cache is None else cache.tokens
     if cache is not None and x.shape[1] == 1 and self._step_kernel(x.shape[0]):
-      x, y, conv_state = self.decode_inputs(x, segment_pos, cache)
-      x, h_last = self.decode_step(x, segment_pos, cache, y)  # x times gelu(y)
+      x, h_last, conv_state = self.decode_step(x, segment_pos, cache, y)  # x times gelu(y)
     else:
-      y = self.linear_y(x)
-      x = self.linear_x(x)
       x, conv_state = self.conv_1d(x, segment_pos, None if cache is None else cache.conv1d_state,
                                    count)
       x, h_last = self.rg_lru(x, segment_pos, None if cache is None else cache.rg_lru_state)
@@ -225,44 +223,15 @@ class RecurrentBlock(nnx.Module):
     return (self.decode_impl == "pallas" and dispatch.triton_interpret() is not None
             and decode_kernel.worthwhile(rows, w.shape[0] * w.shape[1], w.shape[0]))
 
-  def decode_inputs(self, x, segment_pos, cache: RecurrentCache):
-    """One token per row (``x [B, 1, D]``): ``(conv [B, 1, E], linear_y's output [B, 1, E],
-    ring)``, the Conv1D's output over the ring (which takes ``linear_x``'s output in place). As
-    ``linear_x``, ``linear_y`` and ``conv_1d``, or, where ``dispatch.decode_inputs_path`` says so,
-    one Mosaic GPU kernel per device (``pallas_kernels.rg_lru.decode_inputs``)."""
-    lx, ly, conv = self.linear_x, self.linear_y, self.conv_1d
-    ring, count = cache.conv1d_state, cache.tokens
-    e = lx.kernel.value.shape[1]
-    xd = x[:, 0].astype(lx.dtype)
-    if (conv.temporal_width != decode_inputs_kernel.TAPS + 1 or ring.dtype != xd.dtype
-        or dispatch.decode_inputs_path(x.shape[0], x.shape[-1], e, xd.dtype) != "mosaic"):
-      y = ly(x)
-      xc, ring = conv(lx(x), segment_pos, ring, count)
-      return xc, y, ring
-
-    def local(x, w_x, b_x, w_y, b_y, conv_w, conv_b, ring, count, seg):
-      if decode_inputs_kernel.problem(x.shape[0], x.shape[1], w_x.shape[1], x.dtype):
-        return decode_inputs_kernel.reference(x, w_x, b_x, w_y, b_y, conv_w, conv_b, ring,
-                                              count, seg)
-      return decode_inputs_kernel.decode_inputs(x, w_x, b_x, w_y, b_y, conv_w, conv_b, ring,
-                                                count, seg, interpret=dispatch.triton_interpret())
-
-    rows, lru = ("batch", None), (None, "lru")
-    xc, y, ring = partitioning.shard_local(
-        local, (rows, lru, ("lru",), lru, ("lru",), lru, ("lru",), (None, "batch", "lru"), (),
-                ("batch",)),
-        (("batch", "lru"), ("batch", "lru"), (None, "batch", "lru")))(
-            xd, lx.kernel.value, lx.bias.value, ly.kernel.value, ly.bias.value, conv.w.value,
-            conv.b.value, ring, count, segment_pos[:, 0])
-    return xc[:, None], y[:, None], ring
-
   def decode_step(self, x, segment_pos, cache: RecurrentCache, gate):
-    """One token per row (``x``: the Conv1D's output, ``gate``: ``linear_y``'s, both
-    ``[B, 1, E]``): the gates, the RG-LRU update and the product with ``gelu(gate)`` in one
-    kernel (``pallas_kernels.rg_lru.decode``), per device under a mesh; a device with fewer rows
-    than ``decode.MIN_ROWS`` takes XLA's gates and update instead. Returns ``(y * gelu(gate)
-    [B, 1, E], h [B, E])``, as the XLA path."""
+    """One token per row (``x``: ``linear_x``'s output, ``gate``: ``linear_y``'s, both
+    ``[B, 1, E]``): XLA's Conv1D over the ring (which takes the token in place), then the gates,
+    the RG-LRU update and the product with ``gelu(gate)`` in one kernel
+    (``pallas_kernels.rg_lru.decode``), per device under a mesh; a device with fewer rows than
+    ``decode.MIN_ROWS`` takes XLA's gates and update instead. Returns ``(y * gelu(gate)
+    [B, 1, E], h [B, E], ring)``, as the XLA path."""
     lru = self.rg_lru
+    x, ring = self.conv_1d(x, segment_pos, cache.conv1d_state, cache.tokens)
 
     def local(x, seg, w_x, w_a, b_x, b_a, a_param, h0, gate):
       if decode_kernel.worthwhile(x.shape[0], x.shape[1], w_x.shape[0]):
@@ -283,7 +252,7 @@ class RecurrentBlock(nnx.Module):
             x[:, 0].astype(lru.dtype), segment_pos[:, 0], lru.input_gate.w.value,
             lru.a_gate.w.value, lru.input_gate.b.value, lru.a_gate.b.value, lru.a_param.value,
             cache.rg_lru_state, gate[:, 0].astype(lru.dtype))
-    return y[:, None], h
+    return y[:, None], h, ring
 
   def init_cache(self, batch_size: int, max_len: int, dtype) -> RecurrentCache:
     """The empty state: its size does not depend on ``max_len``."""

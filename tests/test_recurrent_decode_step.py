@@ -2,8 +2,6 @@
 RG-LRU update for one token) against a float64 NumPy reference, and the model's decoding with
 it against the XLA step."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -211,91 +209,18 @@ def test_decode_kernel_benchmark_script_prints_its_rows():
   out = helpers.run_script("bench/bench_decode_kernels.py", "--tiny").stdout
   rows = [line for line in out.splitlines() if line.startswith("| ") and "ms" not in line]
   names = [r.split(" | ")[1] for r in rows]
-  assert names[:10] == [
+  assert names[:8] == [
       "XLA", "XLA", "kernel, 32 rows x 4 warps x 32 columns a program",
-      "XLA's Conv1D, then the kernel, 32 rows x 4 warps x 32 columns a program",
-      "XLA (two matmuls, Conv1D, slot write)", "Mosaic GPU kernel", "XLA",
-      "kernel, tile 64x64, K 64, 4 warps, 2 stages", "Mosaic GPU kernel, 2 stages, clusters of 1",
-      "XLA"], out
+      "XLA's Conv1D, then the kernel, 32 rows x 4 warps x 32 columns a program", "XLA",
+      "kernel, tile 64x64, K 64, 4 warps, 2 stages", "Mosaic GPU kernel, 2 stages, clusters of 1", "XLA"], out
   # the greedy kernels' rows, with the fraction of rows on which each picks XLA's token
-  assert names[10].startswith("kernel, tile 16x256, K 64, 4 warps, 2 stages (same token on "), out
-  assert names[11].startswith("Mosaic GPU kernel, 2 stages, clusters of 1 (same token on "), out
+  assert names[8].startswith("kernel, tile 16x256, K 64, 4 warps, 2 stages (same token on "), out
+  assert names[9].startswith("Mosaic GPU kernel, 2 stages, clusters of 1 (same token on "), out
   # decode attention: ragged and full global caches, then a local ring, each against its kernel
-  works = [r.split(" | ")[0].lstrip("| ") for r in rows[12:]]
+  works = [r.split(" | ")[0].lstrip("| ") for r in rows[10:]]
   mosaic = "Mosaic GPU, 64 keys a slot, 2 slots"
-  assert names[12:] == ["Triton (JAX's decode_attention)", mosaic] * 2 + [
+  assert names[10:] == ["Triton (JAX's decode_attention)", mosaic] * 2 + [
       "XLA over the 101-slot ring", mosaic], out
   assert works == (["decode attention, 3 rows x 128 slots, ragged"] * 2
                    + ["decode attention, 3 rows x 128 slots, full"] * 2
                    + ["local attention, 5 rows, window 100"] * 2), out
-
-
-@pytest.mark.parametrize("dtype,counts", [(jnp.bfloat16, (3, 7, 11)), (jnp.float16, (5,))])
-def test_decode_inputs_kernel_matches_the_xla_step(dtype, counts):
-  """pallas_kernels.rg_lru.decode_inputs (Pallas' Mosaic GPU interpreter): both projections,
-  the Conv1D over the ring and the slot write, against the jnp step (``reference``, as
-  ``layers.Dense`` and ``layers.Conv1D`` decode) for each of the ring's three slots, rows
-  mid-document and at its first tokens (taps masked); the ring's other slots untouched; a shape
-  it does not take is refused by name."""
-  from pallas_kernels.rg_lru import decode_inputs as di  # pylint: disable=g-import-not-at-top
-  rng = np.random.default_rng(7)
-  n, d, e = 256, 128, 256  # two row tiles; x and y tiles over three CTAs
-  x = jnp.asarray(rng.normal(size=(n, d)), dtype)
-  w_x, w_y = (jnp.asarray(rng.normal(size=(d, e)) / np.sqrt(d), jnp.float32) for _ in range(2))
-  b_x, b_y, conv_b = (jnp.asarray(rng.normal(size=(e,)) * 0.1, jnp.float32) for _ in range(3))
-  conv_w = jnp.asarray(rng.normal(size=(4, e)) * 0.5, jnp.float32)
-  ring = jnp.asarray(rng.normal(size=(3, n, e)), dtype)
-  seg = jnp.asarray(rng.integers(0, 5, size=(n,)), jnp.int32)
-  kernel = jax.jit(functools.partial(di.decode_inputs, interpret=True))
-  for count in counts:  # bfloat16: writes slots 0, 1, 2
-    args = (x, w_x, b_x, w_y, b_y, conv_w, conv_b, ring, jnp.int32(count), seg)
-    got, want = kernel(*args), di.reference(*args)
-    for g, w in zip(got, want):  # the matmuls sum in another order: a rounding apart at most
-      g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-      np.testing.assert_allclose(g, w, rtol=1e-2, atol=1e-2 * np.abs(w).max())
-    kept = [s for s in range(3) if s != count % 3]
-    np.testing.assert_array_equal(np.asarray(got[2])[kept], np.asarray(ring)[kept])
-  with pytest.raises(ValueError, match="decode_inputs: the Mosaic GPU kernel does not take 200"):
-    di.decode_inputs(x[:200], w_x, b_x, w_y, b_y, conv_w, conv_b, ring[:, :200], jnp.int32(0),
-                     seg[:200], interpret=True)
-
-
-def test_decoding_with_the_decode_inputs_kernel_equals_the_xla_step(monkeypatch):
-  """``DECODE_INPUTS_IMPL=mosaic`` through a bfloat16 Hawk's decoding (128 rows, prompts of
-  mixed lengths, so rows restart documents): the same logits as XLA's projections and Conv1D
-  within bfloat16 roundings, and the same tokens; the kernel is used."""
-  from pallas_kernels import dispatch  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.rg_lru import decode_inputs as di  # pylint: disable=g-import-not-at-top
-  kernel, used = di.decode_inputs, []
-  monkeypatch.setattr(di, "decode_inputs", lambda *a, **k: used.append(1) or kernel(*a, **k))
-  rng = np.random.default_rng(3)
-  prompts = [list(rng.integers(1, 256, size=1 + i % 4)) for i in range(128)]
-  out = {}
-  for impl in ("xla", "mosaic"):
-    monkeypatch.setattr(dispatch, "DECODE_INPUTS_IMPL", impl)
-    jax.clear_caches()
-    cfg = tiny_config(family="hawk", vocab_size=256, num_layers=2, width=64, lru_width=128,
-                      decode_impl="pallas", mlp_expanded_width=128, dtype="bfloat16")
-    model = perturbed(model_lib.init_model(cfg, seed=5), seed=6, scale=1.0)
-    out[impl] = sampling.sample(model, prompts, sampling.SamplingParams(max_new_tokens=2),
-                                return_logits=True)
-  assert used
-  want, got = np.asarray(out["xla"].logits, np.float32), np.asarray(out["mosaic"].logits, np.float32)
-  np.testing.assert_allclose(got, want, atol=0.05 * np.abs(want).max())
-  assert np.mean(out["mosaic"].tokens == out["xla"].tokens) > 0.95
-
-
-def test_decode_inputs_kernel_lowers_for_a_gpu():
-  """The decoding-inputs kernel lowers for CUDA on this CPU machine at Hawk 1.3B's shapes, in
-  clusters of two CTAs where the rows fill whole cluster tiles (2048) and without (1152): the
-  interpreter has no cluster barriers, so only this and the GPU check cover them."""
-  import helpers  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.rg_lru import decode_inputs as di  # pylint: disable=g-import-not-at-top
-  s = jax.ShapeDtypeStruct
-  d, e = 2048, 2560
-  for n, clustered in ((2048, True), (1152, False)):
-    text = helpers.lower_for_cuda(
-        di.decode_inputs, s((n, d), jnp.bfloat16), s((d, e), jnp.bfloat16), s((e,), jnp.float32),
-        s((d, e), jnp.bfloat16), s((e,), jnp.float32), s((4, e), jnp.float32),
-        s((e,), jnp.float32), s((3, n, e), jnp.bfloat16), s((), jnp.int32), s((n,), jnp.int32))
-    assert text.count("custom_call @mosaic_gpu") == 1 and ("cluster.wait" in text) == clustered

@@ -18,9 +18,7 @@ sequential driver, which runs ``tpu`` (Mosaic TPU; its interpreter on a CPU) or 
 (Triton); ``gpu_mosaic`` runs the same step functions forward through Mosaic GPU on Hopper
 (the linear scan's forward and the fused layer's forward, by default; ``fused.MOSAIC_FORWARD``);
 ``reference`` the pure-JAX references; ``decode`` a recurrent block's one-token decoding step
-after XLA's Conv1D (both gates and the update in one Triton kernel, ``model.decode_impl``);
-``decode_inputs`` the step's inputs (both projections, the Conv1D, the ring's slot write) in one
-Mosaic GPU kernel (``DECODE_INPUTS_IMPL=mosaic``; not yet timed). Which runs where:
+after XLA's Conv1D (both gates and the update in one Triton kernel, ``model.decode_impl``). Which runs where:
 ``pallas_kernels.dispatch``.
 """
 

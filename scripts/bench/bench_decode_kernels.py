@@ -45,12 +45,7 @@ Rows (defaults: Hawk 1.3B's recurrent block at 2048 rows, bfloat16):
   full; Griffin 1.3B's local ring (``--batch`` rows, ``--window`` 1024: 1025 slots for XLA,
   rounded up to whole 64-key blocks for the kernel), full. Bytes floor: the visible keys and
   values read once over the copy ceiling.
-- a recurrent block's decoding inputs (both projections, the Conv1D over the ring and the ring's
-  slot write): XLA's path (two gemms, the Conv1D, the dynamic-update-slice) against
-  ``pallas_kernels.rg_lru.decode_inputs`` (``DECODE_INPUTS_IMPL=mosaic``; Hopper, the interpreter
-  with ``--tiny``). Floor: ``4 B D E`` FLOPs over the peak or the weights, ``x``, three ring
-  slots read and the outputs written over the copy ceiling, whichever is larger.
-``--only recurrent,inputs,mlp,greedy,attention`` picks the groups of rows.
+``--only recurrent,mlp,greedy,attention`` picks the groups of rows.
 
 ``--tiny``: small shapes, interpreted, for a CPU check of the script.
 """
@@ -104,7 +99,7 @@ def main():
   parser.add_argument("--window", type=int, default=1024)
   parser.add_argument("--attention_tiles", default="64x2,64x3,128x2",
                       help="keys a ring slot x slots")
-  parser.add_argument("--only", default="recurrent,inputs,mlp,greedy,attention")
+  parser.add_argument("--only", default="recurrent,mlp,greedy,attention")
   parser.add_argument("--iters", type=int, default=5, help="timed loops (median)")
   parser.add_argument("--steps", type=int, default=50, help="steps a timed loop")
   parser.add_argument("--tiny", action="store_true")
@@ -141,9 +136,7 @@ def main():
     return y * jax.nn.gelu(gate), h, ring
 
   def kernel_step(block, x, seg, cache):
-    x, ring = block.conv_1d(x, seg, cache.conv1d_state, cache.tokens)
-    y, h = block.decode_step(x, seg, cache, gate)
-    return y, h, ring
+    return block.decode_step(x, seg, cache, gate)
 
   def xla_update(block, x, seg, h):  # x: the Conv1D's output
     return block.rg_lru(x, seg, h)
@@ -224,10 +217,6 @@ def main():
         print(f"| gates + RG-LRU update | kernel, tile {tile} | error: "
               f"{str(err).splitlines()[0][:150]} | | |", flush=True)
 
-  if "inputs" in only:
-    # (--tiny: 128 rows and an RNN width of 128, the kernel's smallest)
-    inputs_rows(row, per_step, max(b, 128) if args.tiny else b, d,
-                max(e, 128) if args.tiny else e, args.gate_blocks, ceiling, peak)
   if "mlp" in only:
     mlp_carry = (xm, jnp.zeros((b, m), dt))
     row("MLP up-projection + GeLU gating", "XLA", per_step(mlp_body(mlp_up), mlp, mlp_carry),
@@ -259,44 +248,6 @@ def main():
                 args.greedy_mosaic_stages, interpret)
   if "attention" in only:
     attention_rows(row, per_step, args, ceiling, interpret)
-
-
-def inputs_rows(row, per_step, b, d, e, gate_blocks, ceiling, peak):
-  """A recurrent block's decoding inputs (``RecurrentBlock.decode_inputs``: both projections,
-  the Conv1D, the ring's slot write): XLA's path against the Mosaic GPU kernel."""
-  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import dispatch
-  from pallas_kernels.rg_lru import decode_inputs
-  dt = jnp.bfloat16
-  block = recurrent.RecurrentBlock(d, e, gate_blocks, rngs=nnx.Rngs(2), param_dtype=dt, dtype=dt)
-  keys = jax.random.split(jax.random.PRNGKey(3), 2)
-  x = jax.random.normal(keys[0], (b, 1, d), dt)
-  seg = jnp.full((b, 1), 100, jnp.int32)
-  cache = recurrent.RecurrentCache(jnp.zeros((b, e), jnp.float32),
-                                   jax.random.normal(keys[1], (3, b, e), dt),
-                                   jnp.asarray(7, jnp.int32))
-  flop = 4 * b * d * e / peak if peak else 0.0
-  weights_and_rows = (2 * d * e + b * (d + 6 * e)) * 2 / ceiling  # bfloat16
-  floor = max(flop, weights_and_rows) * 1e3
-
-  def body(block, carry):  # the outputs feed the next input, so nothing is hoisted
-    x, ring = carry
-    xc, y, ring = block.decode_inputs(x, seg, cache._replace(conv1d_state=ring))
-    return x + (xc[..., :d] + y[..., :d]) * 1e-3, ring
-
-  work = "projections + Conv1D + ring slot write"
-  row(work, "XLA (two matmuls, Conv1D, slot write)", per_step(body, block, (x, cache.conv1d_state)),
-      floor)
-  why = decode_inputs.problem(b, d, e, dt)
-  if why:
-    print(f"| {work} | Mosaic GPU kernel | not taken: {why} | | |", flush=True)
-    return
-  dispatch.DECODE_INPUTS_IMPL = "mosaic"
-  jax.clear_caches()
-  try:
-    row(work, "Mosaic GPU kernel", per_step(body, block, (x, cache.conv1d_state)), floor)
-  finally:
-    dispatch.DECODE_INPUTS_IMPL = "xla"
 
 
 def greedy_rows(row, per_step, x, vocab, peak, greedy_tiles, mosaic_stages, interpret):

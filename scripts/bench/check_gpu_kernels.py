@@ -30,7 +30,7 @@ from pallas_kernels.gates import block_diagonal  # noqa: E402
 from pallas_kernels import loss  # noqa: E402
 from pallas_kernels.mlp import gated_up, gating  # noqa: E402
 from pallas_kernels.norm import rms  # noqa: E402
-from pallas_kernels.rg_lru import decode, decode_inputs  # noqa: E402
+from pallas_kernels.rg_lru import decode  # noqa: E402
 from pallas_kernels.sampling import greedy  # noqa: E402
 
 # Relative error allowed for each compute dtype: bfloat16 inputs are rounded before both the
@@ -42,10 +42,10 @@ TOLERANCE_OVERRIDES = {("block_diagonal", "float32"): 1e-3, ("gates_with_skip", 
                        ("recurrent_decode_step", "float32"): 1e-3, ("gated_up", "float32"): 1e-3,
                        ("greedy_token", "float32"): 1e-3}
 FORWARD_ONLY = {"recurrent_decode_step", "gated_up", "gated_up_mosaic", "greedy_token",
-                "greedy_token_mosaic", "decode_attention", "decode_inputs"}  # decoding
+                "greedy_token_mosaic", "decode_attention"}  # decoding: no gradients
 # wgmma's 16-bit inputs (the Mosaic GPU kernels)
 DTYPES_ONLY = {"decode_attention": ("bfloat16",), "gated_up_mosaic": ("bfloat16",),
-               "greedy_token_mosaic": ("bfloat16",), "decode_inputs": ("bfloat16",)}
+               "greedy_token_mosaic": ("bfloat16",)}
 
 
 def _greedy_maxima(x, table, impl="triton"):
@@ -116,13 +116,6 @@ def cases(tiny: bool):
     up = lambda x, w, b, impl=impl: gated_up.gated_up(x, w, b, impl=impl, interpret=interpret)
     yield (name, up, gated_up.reference,
            [("x", (gn, gd)), ("gate_weight", (2, gd, gm)), ("param", (2, gm))])
-  # a recurrent block's decoding inputs (projections, Conv1D, ring), Hawk 1.3B's at 2048 rows
-  rn, rd, re = (128, 64, 128) if tiny else (2048, 2048, 2560)
-  yield ("decode_inputs", functools.partial(decode_inputs.decode_inputs, interpret=interpret),
-         decode_inputs.reference,
-         [("x", (rn, rd)), ("gate_weight", (rd, re)), ("param", (re,)), ("gate_weight", (rd, re)),
-          ("param", (re,)), ("param", (4, re)), ("param", (re,)), ("x", (3, rn, re)),
-          ("count", ()), ("positions", (rn,))])
   # decode attention, 16 heads of 128: MQA 1.3B's global cache of 2048 slots, each row's filled
   # part; Griffin 1.3B's local ring (window 1024 in 1088 slots), rows past the ring's length
   ab, an, ah = (3, 5, 64) if tiny else (256, 16, 128)
@@ -163,8 +156,6 @@ def make_inputs(specs, dtype, key):
     elif kind == "lengths":  # (B, L): a length in [1, L] per row, both ends included
       lengths = jax.random.randint(k, shape[:1], 1, shape[1] + 1, jnp.int32)
       out.append(lengths.at[0].set(1).at[-1].set(shape[1]))
-    elif kind == "count":  # tokens a ring has taken
-      out.append(jnp.int32(7))
     elif kind == "positions":  # positions in the document, the first few included
       out.append(jax.random.randint(k, shape, 0, 6, jnp.int32))
     elif kind == "state":
