@@ -133,10 +133,6 @@ def greedy_path(vocab: int, width: int, dtype) -> str:
                            greedy.mosaic_problem(vocab, width, dtype))
 
 
-def _hopper() -> bool:
-  return target_platform() == "gpu" and int(gpu_capability() or 0) == 9
-
-
 def _mosaic_on_hopper(name: str, setting: str, problem: str | None) -> str:
   """``"mosaic"`` or ``"triton"`` for a setting ``auto|mosaic|triton`` named ``name``: Triton
   where the Mosaic kernel has a ``problem`` with the shapes, even when asked for; "auto" takes
@@ -147,4 +143,5 @@ def _mosaic_on_hopper(name: str, setting: str, problem: str | None) -> str:
     return "triton"
   if setting == "mosaic":
     return "mosaic"
-  return "mosaic" if _hopper() else "triton"
+  hopper = target_platform() == "gpu" and int(gpu_capability() or 0) == 9
+  return "mosaic" if hopper else "triton"
