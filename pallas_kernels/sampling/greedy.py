@@ -168,18 +168,24 @@ def partials(x, table, *, tile=None, impl: str | None = None, interpret: bool = 
   return best[:n], column[:n], cols
 
 
+def mosaic_cluster(rows: int, *, cluster: int = MOSAIC_CLUSTER, interpret: bool = False) -> int:
+  """The CTAs a cluster of the Mosaic kernel at ``rows`` rows, at most ``cluster``: none below
+  ``MOSAIC_CLUSTER_ROWS`` rows (a cluster's second row tile would be mostly padding) nor in the
+  interpreter (no cluster barriers)."""
+  return 1 if interpret or rows < MOSAIC_CLUSTER_ROWS else cluster
+
+
 def _mosaic(x, table, *, stages: int = MOSAIC_STAGES, interpret: bool = False,
             cluster: int = MOSAIC_CLUSTER):
   """The Mosaic GPU kernel (module docstring); ``interpret``: Pallas' Mosaic GPU interpreter,
   three CTAs and no clusters, the table transposed for it (its wgmma takes no transposed
-  operand). Clusters of ``cluster`` CTAs from ``MOSAIC_CLUSTER_ROWS`` rows."""
+  operand). Clusters of at most ``cluster`` CTAs (``mosaic_cluster``)."""
   n = x.shape[0]
   vocab = table.shape[0]
   tile_m, cols, _ = MOSAIC_TILE
   half = tile_m // 2
-  # (fewer than MOSAIC_CLUSTER_ROWS rows: no clusters, whose row tiles would be mostly padding)
   rows, tiles, grid, cluster = persistent.schedule(
-      n, vocab, tile=MOSAIC_TILE, cluster=1 if n < MOSAIC_CLUSTER_ROWS else cluster,
+      n, vocab, tile=MOSAIC_TILE, cluster=mosaic_cluster(n, cluster=cluster),
       interpret=interpret)
   dtype, f32 = x.dtype, jnp.float32
 

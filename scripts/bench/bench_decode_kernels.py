@@ -277,29 +277,29 @@ def greedy_rows(row, per_step, x, vocab, peak, greedy_tiles, mosaic_stages, inte
       floor)
   want = jax.jit(xla_token)(table, x)
   logits = jnp.dot(x, table.T).astype(jnp.float32)
-  # (name, error-row name, kernel) of each Triton tile, then each Mosaic GPU ring depth
+  # (name, error-row name, kernel, whether its row names the largest logit gap) of each Triton
+  # tile, then each Mosaic GPU ring depth
   candidates = []
   for tile in greedy_tiles.split(","):
     tile = tuple(map(int, tile.split("x")))
     candidates.append((f"kernel, tile {tile[0]}x{tile[1]}, K {tile[2]}, {tile[3]} warps, "
                        f"{tile[4]} stages", f"kernel, tile {tile}",
                        lambda t, x, tile=tile: greedy.greedy_token(x, t, tile=tile,
-                                                                   interpret=interpret)))
+                                                                   interpret=interpret), True))
   for stages in map(int, mosaic_stages.split(",") if mosaic_stages else ()):
     candidates.append((
         f"Mosaic GPU kernel, {stages} stages, clusters of "
-        f"{1 if interpret else greedy.MOSAIC_CLUSTER}", f"Mosaic GPU kernel, {stages} stages",
-        lambda t, x, stages=stages: greedy.pick(  # pylint: disable=protected-access
-            *greedy._mosaic(x, t, stages=stages, interpret=interpret))))
-  for name, short, kernel in candidates:
+        f"{greedy.mosaic_cluster(b, interpret=interpret)}", f"Mosaic GPU kernel, {stages} stages",
+        lambda t, x, stages=stages: greedy.pick(*greedy._mosaic(  # pylint: disable=protected-access
+            x, t, stages=stages, interpret=interpret)), False))
+  for name, short, kernel, with_gap in candidates:
     try:
       got = jax.jit(kernel)(table, x)
       agree = float(jnp.mean(got == want))
       chosen = jnp.take_along_axis(logits, got[:, None], 1)[:, 0]
       gap = float(jnp.max(jnp.max(logits, axis=1) - chosen))
       ms = per_step(body(wrap(kernel)), module, x)
-      # (the Triton rows also name the largest gap between a row's best logit and its pick)
-      detail = f", largest logit gap {gap:.3g}" if short.startswith("kernel") else ""
+      detail = f", largest logit gap {gap:.3g}" if with_gap else ""
       row("greedy token (output layer + argmax)",
           f"{name} (same token on {agree:.2%} of rows{detail})", ms, floor)
     except Exception as err:  # pylint: disable=broad-except
