@@ -2,7 +2,8 @@
 documents for the train or the eval split. Tokenizing, packing, batching and sharding are shared
 (``pipeline.py``).
 
-- ``builtin``: the ``*.py`` files of this Python's standard library, one document per file.
+- ``builtin``: the ``*.py`` files of this Python's standard library, one document per distinct
+  non-empty file.
 - ``text``: one document per file; ``jsonl``: one per line (``data.text_field``); ``parquet``: one
   per row of the ``data.text_field`` column. Files come from ``data.paths``.
 - ``tfds``: the ``data.text_field`` feature of a TFDS dataset in ArrayRecord format, read with
@@ -25,6 +26,7 @@ Parquet columns are read whole when the pipeline starts.
 from __future__ import annotations
 
 import array
+import collections
 import dataclasses
 import glob
 import hashlib
@@ -130,7 +132,27 @@ def _builtin_files() -> tuple[str, list[str]]:
     subfolders[:] = [s for s in subfolders if s not in _BUILTIN_SKIP]
     rel = os.path.relpath(folder, root)
     files += [os.path.normpath(os.path.join(rel, n)) for n in names if n.endswith(".py")]
-  return root, sorted(f.replace(os.sep, "/") for f in files)
+  return root, _distinct(root, sorted(f.replace(os.sep, "/") for f in files))
+
+
+def _distinct(root: str, names: list[str]) -> list[str]:
+  """``names`` without empty files and without files whose bytes equal an earlier one's: the
+  standard library has a few (empty ``__init__.py`` files, identical package stubs), and a copy
+  on each side of the split would put training text into the held-out set. Only files of equal
+  size are read to compare."""
+  sizes = [os.path.getsize(os.path.join(root, name)) for name in names]
+  count = collections.Counter(sizes)
+  seen, kept = set(), []
+  for name, size in zip(names, sizes):
+    if size and count[size] > 1:
+      with open(os.path.join(root, name), "rb") as f:
+        digest = hashlib.sha256(f.read()).digest()
+      if digest in seen:
+        continue
+      seen.add(digest)
+    if size:
+      kept.append(name)
+  return kept
 
 
 def _relative(files: list[str]) -> list[str]:
