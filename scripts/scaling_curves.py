@@ -10,7 +10,8 @@ compute budgets, trained on the Python source of the packages installed where it
 
 1. The corpus, ``DIR/corpus``: every ``*.py`` file under ``--source_dirs`` (default: this
    Python's site-packages folders; a file reached twice, by its real path or by its path in an
-   earlier folder, counts once) that is not empty, at most ``--max_file_kb`` and valid UTF-8.
+   earlier folder, counts once) that is not empty, at most ``--max_file_kb``, valid UTF-8 and
+   not byte for byte a file taken before it (vendored copies: one of them could be held out).
    Whole files are held out by a hash of their relative path, and taken in the order of
    another hash of it until ``--corpus_max_mb`` (0: all). Each file is cut at line ends into
    documents of at most ``--piece_chars`` characters (a batch then draws on dozens of files,
@@ -159,8 +160,9 @@ def build_corpus(out: str, args) -> dict:
   os.makedirs(tmp)
   max_bytes = args.corpus_max_mb * 2**20 if args.corpus_max_mb else math.inf
   splits = {s: {"files": 0, "bytes": 0} for s in SPLITS}
-  skipped = {"larger than max_file_kb": 0, "empty": 0, "not UTF-8": 0, "unreadable": 0}
-  listing, total = [], 0
+  skipped = {"larger than max_file_kb": 0, "empty": 0, "not UTF-8": 0, "unreadable": 0,
+             "identical to an earlier file": 0}
+  listing, total, contents = [], 0, set()
   sources = sorted(list_sources(args.source_dirs), key=lambda f: path_hash("order", f[0]))
   writers = {s: open(os.path.join(tmp, f"{s}.jsonl"), "w", encoding="utf-8") for s in SPLITS}
   with writers["train"], writers["heldout"]:
@@ -182,15 +184,20 @@ def build_corpus(out: str, args) -> dict:
       if not text.strip():
         skipped["empty"] += 1
         continue
+      digest = _sha256(raw)
+      if digest in contents:  # a vendored or copied file: once, or a copy may be held out
+        skipped["identical to an earlier file"] += 1
+        continue
       if total + len(raw) > max_bytes:
         break
+      contents.add(digest)
       total += len(raw)
       split = "heldout" if path_hash("held-out", rel) < args.held_out else "train"
       for piece in pieces(text, args.piece_chars):
         writers[split].write(json.dumps({"text": piece, "path": rel}, ensure_ascii=False) + "\n")
       splits[split]["files"] += 1
       splits[split]["bytes"] += len(raw)
-      listing.append(f"{rel}\t{len(raw)}\t{_sha256(raw)}\t{split}\n")
+      listing.append(f"{rel}\t{len(raw)}\t{digest}\t{split}\n")
   empty = [s for s in SPLITS if not splits[s]["files"]]
   if empty:
     shutil.rmtree(tmp)

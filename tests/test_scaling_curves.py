@@ -33,6 +33,8 @@ def fake_site_packages(root):
   os.symlink("mod0.py", first / "pkg" / "z_alias.py")  # mod0, reached again
   (second / "pkg" / "mod1.py").write_text("shadowed = True\n")  # same relative path as mod1
   (second / "extra.py").write_text("print('only here')\n")
+  for name in ("vendored_a.py", "vendored_b.py"):  # the same bytes under two paths
+    (second / name).write_text("def vendored():\n  return 'one copy'\n")
   return [str(first), str(second)]
 
 
@@ -64,9 +66,11 @@ def test_corpus_is_deterministic_whole_files_per_split_and_refuses_a_changed_one
   assert first["corpus"]["files_tsv_sha256"] == hashlib.sha256(table).hexdigest()
   rows = [line.split("\t") for line in table.decode().splitlines()]
   assert sorted(r[0] for r in rows) == sorted(
-      [f"pkg/mod{i}.py" for i in range(30)] + ["extra.py"])
+      [f"pkg/mod{i}.py" for i in range(30)] + ["extra.py", "vendored_a.py"])
+  assert len({r[2] for r in rows}) == len(rows)  # no content twice
   assert first["corpus"]["skipped"] == {"larger than max_file_kb": 1, "empty": 1,
-                                        "not UTF-8": 1, "unreadable": 0}
+                                        "not UTF-8": 1, "unreadable": 0,
+                                        "identical to an earlier file": 1}
 
   # Whole files per split: each file's pieces are in one split and put it back together.
   texts, split_of = {}, {}
