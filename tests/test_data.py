@@ -1,6 +1,7 @@
 """The data pipeline: sources, tokenizers, packing, determinism, resumption, sharding, checks."""
 
 import json
+import logging
 import math
 import os
 
@@ -488,13 +489,30 @@ def test_invalid_utf8_is_read_as_replacement_characters_with_a_counted_warning(t
   path = write_jsonl(tmp_path / "bytes.jsonl", lines)
   config = make_config(source="jsonl", paths=path, eval_paths=path, batch_size=2, seq_len=16)
   assert data.validate(config, process_count=1) == []
-  [warning] = [r.getMessage() for r in caplog.records]
+  [warning] = [r.getMessage() for r in caplog.records if "UTF-8" in r.getMessage()]
   assert warning == (f"data file {path!r} has invalid UTF-8 on 1 of its 6 records (first: line 5);"
                      " it is read as U+FFFD")
   documents = stream_documents(token_stream(take(data.make_train_iterator(config), 8)), BYTE)
   assert {"caf\ufffd", "lone \ufffd surrogate"} <= set(documents)
   assert caplog.records[-1].getMessage() == (
       f"data file {path!r} line 6 has a lone surrogate escape; such escapes are read as U+FFFD")
+
+
+def test_held_out_files_also_in_the_training_paths_get_one_warning(tmp_path, caplog):
+  for name in ("a.txt", "b.txt"):
+    (tmp_path / name).write_text(f"text of {name}\n")
+  os.symlink(tmp_path / "b.txt", tmp_path / "link.txt")
+  with caplog.at_level(logging.WARNING):
+    config = make_config(source="text", paths=str(tmp_path / "a.txt"),
+                         eval_paths=str(tmp_path / "b.txt"))
+    assert data.validate(config, process_count=1) == []
+    assert not [r for r in caplog.records if "eval_paths" in r.getMessage()]
+    config = make_config(source="text", paths=str(tmp_path / "[ab].txt"),
+                         eval_paths=str(tmp_path / "link.txt"))  # b.txt under another name
+    assert data.validate(config, process_count=1) == []  # a warning, not an error
+    data.validate(config, process_count=1)
+  [warning] = [r.getMessage() for r in caplog.records if "eval_paths" in r.getMessage()]
+  assert "link.txt" in warning and "is also in data.paths" in warning
 
 
 def test_empty_files_are_errors(tmp_path):

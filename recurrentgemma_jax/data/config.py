@@ -55,6 +55,14 @@ def _check_local_files(data) -> list[str]:
     files[name] = sources.expand(patterns)
   if errors:
     return errors
+  trained = {os.path.realpath(f) for f in files["paths"]}
+  both = [f for f in files["eval_paths"] if os.path.realpath(f) in trained]
+  if both:  # allowed (a run that evaluates on text it trains on), but rarely what was meant
+    more = f" (and {len(both) - 1} more of its files)" if both[1:] else ""
+    sources._warn_once(  # pylint: disable=protected-access
+        f"eval_paths in paths: {both}",
+        f"data.eval_paths file {both[0]!r}{more} is also in data.paths: it is trained on, so "
+        "the held-out loss is measured on training text")
   checked = set()
   for name, paths in files.items():
     problems = [p for p in (_file_problem(data, f) for f in paths if f not in checked) if p]
