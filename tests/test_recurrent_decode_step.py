@@ -212,7 +212,8 @@ def test_decode_kernel_benchmark_script_prints_its_rows():
   assert names[:8] == [
       "XLA", "XLA", "kernel, 32 rows x 4 warps x 32 columns a program",
       "XLA's Conv1D, then the kernel, 32 rows x 4 warps x 32 columns a program", "XLA",
-      "kernel, tile 64x64, K 64, 4 warps, 2 stages", "Mosaic GPU kernel, 2 stages, clusters of 1", "XLA"], out
+      "kernel, tile 64x64, K 64, 4 warps, 2 stages",
+      "Mosaic GPU kernel, 2 stages, clusters of 1", "XLA"], out
   # the greedy kernels' rows, with the fraction of rows on which each picks XLA's token
   assert names[8].startswith("kernel, tile 16x256, K 64, 4 warps, 2 stages (same token on "), out
   assert names[9].startswith("Mosaic GPU kernel, 2 stages, clusters of 1 (same token on "), out

@@ -59,8 +59,8 @@ def _check_local_files(data) -> list[str]:
   both = [f for f in files["eval_paths"] if os.path.realpath(f) in trained]
   if both:  # allowed (a run that evaluates on text it trains on), but rarely what was meant
     more = f" (and {len(both) - 1} more of its files)" if both[1:] else ""
-    sources._warn_once(  # pylint: disable=protected-access
-        f"eval_paths in paths: {both}",
+    sources.warn_once(
+        f"eval_paths in paths: {both[0]}",
         f"data.eval_paths file {both[0]!r}{more} is also in data.paths: it is trained on, so "
         "the held-out loss is measured on training text")
   checked = set()

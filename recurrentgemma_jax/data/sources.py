@@ -72,7 +72,8 @@ def expand(patterns: list[str]) -> list[str]:
 # --- reading -------------------------------------------------------------------------------------
 
 
-def _warn_once(key: str, message: str) -> None:
+def warn_once(key: str, message: str) -> None:
+  """Logs ``message`` the first time ``key`` is seen in this process."""
   if key not in _warned:
     _warned.add(key)
     _log.warning(message)
@@ -104,7 +105,7 @@ def _decode(raw: bytes, path: str) -> str:
   except UnicodeDecodeError:
     text = raw.decode("utf-8", errors="replace")
     bad = text.count("\ufffd") - raw.count("\ufffd".encode("utf-8"))
-    _warn_once(path, f"data file {path!r} has {bad} invalid UTF-8 sequences; they are read as"
+    warn_once(path, f"data file {path!r} has {bad} invalid UTF-8 sequences; they are read as"
                      " U+FFFD")
     return text
 
@@ -140,18 +141,18 @@ def _distinct(root: str, names: list[str]) -> list[str]:
   standard library has a few (empty ``__init__.py`` files, identical package stubs), and a copy
   on each side of the split would put training text into the held-out set. Only files of equal
   size are read to compare."""
-  sizes = [os.path.getsize(os.path.join(root, name)) for name in names]
+  sizes = _sizes([os.path.join(root, name) for name in names])
   count = collections.Counter(sizes)
   seen, kept = set(), []
   for name, size in zip(names, sizes):
-    if size and count[size] > 1:
-      with open(os.path.join(root, name), "rb") as f:
-        digest = hashlib.sha256(f.read()).digest()
+    if not size:
+      continue
+    if count[size] > 1:
+      digest = hashlib.sha256(_read_bytes(os.path.join(root, name), size)).digest()
       if digest in seen:
         continue
       seen.add(digest)
-    if size:
-      kept.append(name)
+    kept.append(name)
   return kept
 
 
@@ -234,7 +235,7 @@ def _scan_jsonl(path: str, field: str) -> JsonlIndex:
   if not starts:
     raise ConfigError(f"{path!r} has no JSON line")
   if bad_lines:
-    _warn_once(path, f"data file {path!r} has invalid UTF-8 on {bad_lines} of its {len(starts)}"
+    warn_once(path, f"data file {path!r} has invalid UTF-8 on {bad_lines} of its {len(starts)}"
                      f" records (first: line {first_bad}); it is read as U+FFFD")
   return JsonlIndex(np.frombuffer(starts, np.int64), offset)
 
@@ -255,7 +256,7 @@ def _read_jsonl_line(path: str, start: int, size: int, field: str) -> str:
                       f" {_line_number(path, start)} is no longer a record with text {field!r}")
   text = _without_surrogates(value)
   if text is not value and f"{path}:surrogates" not in _warned:
-    _warn_once(f"{path}:surrogates", f"data file {path!r} line {_line_number(path, start)} has a"
+    warn_once(f"{path}:surrogates", f"data file {path!r} line {_line_number(path, start)} has a"
                                      " lone surrogate escape; such escapes are read as U+FFFD")
   return text
 
@@ -275,7 +276,7 @@ def _parquet_column(path: str, field: str):
   try:
     column.validate(full=True)
   except pa.ArrowInvalid:
-    _warn_once(path, f"data file {path!r} has invalid UTF-8 in column {field!r}; it is read as"
+    warn_once(path, f"data file {path!r} has invalid UTF-8 in column {field!r}; it is read as"
                      " U+FFFD")
   binary = pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary()
   return [chunk.view(binary).cast(pa.large_binary()) for chunk in column.chunks]
