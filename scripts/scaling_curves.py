@@ -3,7 +3,8 @@ held-out loss against training FLOPs for the MQA Transformer, Hawk, Griffin and 
 compute budgets, trained on the Python source of the packages installed where it runs.
 
   python scripts/scaling_curves.py --out DIR [--budgets 1e15,3e15,1e16]
-      [--families mqa,hawk,griffin,gla] [--time_limit SECONDS] [--parallel N] [--skip_training]
+      [--families mqa,hawk,griffin,gla] [--seeds 0] [--time_limit SECONDS] [--parallel N]
+      [--skip_training]
       [--source_dirs DIR,...] [--held_out 0.02] [--max_file_kb 1024] [--corpus_max_mb 0]
       [--piece_chars 2048]
       [--config.FIELD=VALUE ...]   (passed to every training run, after the script's own)
@@ -25,13 +26,16 @@ compute budgets, trained on the Python source of the packages installed where it
    width, MLP expansion 3); each budget takes the width whose Chinchilla-optimal compute (20
    training tokens per Griffin parameter) is nearest, and each family trains for the budget
    divided by its training FLOPs per token (``recurrentgemma_jax/flops.py``). Each run is
-   ``scripts/train.py`` in ``DIR/runs/FAMILY_BUDGET`` (log: ``train.log`` there); a finished
+   ``scripts/train.py`` in ``DIR/runs/FAMILY_BUDGET`` (``FAMILY_BUDGET_sSEED`` for each of
+   ``--seeds`` but 0; the seed sets the initialisation and the data order; log: ``train.log``
+   there); a finished
    run is skipped, an unfinished one resumes from its checkpoint; ``--parallel N`` trains N at
    once. ``--time_limit``: no run starts after that many seconds and those running get SIGTERM
    (each saves its step; rerun to continue).
 3. The report: ``DIR/scaling_curves.md`` (the table), ``DIR/scaling_curves.json`` and
    ``DIR/scaling_curves.png`` (held-out loss against training FLOPs); the table, the order of
    the families at each budget and whether each family's loss falls with compute are printed.
+   With several seeds these compare each family's mean over its seeds, and give the range.
 
 docs/scaling_curves.md gives the recipe and how it was scaled down from the paper's.
 """
@@ -249,10 +253,11 @@ class Run:
   config: object  # the ConfigDict those flags give
   params: int
   flops_per_token: float
+  seed: int = 0
 
   @property
   def name(self) -> str:
-    return f"{self.family}_{budget_label(self.budget)}"
+    return run_name(self.family, self.budget, self.seed)
 
   @property
   def tokens_per_step(self) -> int:
@@ -265,6 +270,12 @@ class Run:
 
 def budget_label(budget: float) -> str:
   return f"{budget:g}".replace("+", "")
+
+
+def run_name(family: str, budget: float, seed: int) -> str:
+  """``FAMILY_BUDGET``, with ``_sSEED`` for seeds other than 0 (a sweep of one seed keeps the
+  names it had before seeds were an option)."""
+  return f"{family}_{budget_label(budget)}" + (f"_s{seed}" if seed else "")
 
 
 def _flags(fields: dict, args) -> list[str]:
@@ -301,8 +312,9 @@ def _optimal_compute(width: int, overrides: tuple[str, ...]) -> float:
       cfg, config.seq_len)
 
 
-def plan(family: str, budget: float, args) -> Run:
-  """The run of ``family`` at ``budget`` training FLOPs (overrides given to the script win)."""
+def plan(family: str, budget: float, args, seed: int = 0) -> Run:
+  """The run of ``family`` at ``budget`` training FLOPs with ``seed`` (overrides given to the
+  script win)."""
   width = min(WIDTHS, key=lambda w: abs(math.log(
       _optimal_compute(w, tuple(args.config_overrides)) / budget)))
   fields = model_fields(family, width, args)
@@ -310,14 +322,14 @@ def plan(family: str, budget: float, args) -> Run:
   cfg = _model(config)
   per_token = flops.train_flops_per_token(cfg, config.seq_len)
   steps = max(1, round(budget / per_token / (config.batch_size * config.seq_len)))
-  fields.update({"total_steps": steps,
+  fields.update({"seed": seed, "total_steps": steps,
                  "optimizer.warmup_steps": max(1, round(WARMUP_FRACTION * steps)),
                  "log_every": max(1, min(10, steps // 100)),
                  "eval_every": max(1, steps // 8), "checkpoint_every": max(1, steps // 4)})
   flags = _flags(fields, args)
   config = _config(flags)
-  return Run(family, budget, os.path.join(args.out, "runs", f"{family}_{budget_label(budget)}"),
-             flags, config, model_lib.count_params(cfg), per_token)
+  return Run(family, budget, os.path.join(args.out, "runs", run_name(family, budget, seed)),
+             flags, config, model_lib.count_params(cfg), per_token, seed)
 
 
 def finished(run: Run) -> bool:
@@ -429,7 +441,7 @@ def summarize(run: Run, train_bytes: int) -> dict:
   warm = sum(1 for step, _ in train if step <= run.config.optimizer.warmup_steps)
   spike = spike_ratio([loss for _, loss in train], warm) if train else None
   return {
-      "family": run.family, "budget": run.budget, "flops": run.flops,
+      "family": run.family, "budget": run.budget, "seed": run.seed, "flops": run.flops,
       "width": run.config.model.width, "depth": run.config.model.num_layers,
       "params": run.params, "tokens": run.tokens_per_step * run.config.total_steps,
       "epochs": run.tokens_per_step * run.config.total_steps / train_bytes,
@@ -451,39 +463,65 @@ def _cell(value, fmt: str, unit: str = "") -> str:
 
 
 def table(rows: list[dict]) -> str:
-  lines = ["| family | budget | width x depth | params | tokens | tokens/param | epochs | steps | "
-           "FLOPs | held-out loss | spike ratio | stable | wall time |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| family | budget | seed | width x depth | params | tokens | tokens/param | epochs | "
+           "steps | FLOPs | held-out loss | spike ratio | stable | wall time |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     steps = (str(r["steps"]) if r["steps_done"] >= r["steps"]
              else f"{r['steps_done']} of {r['steps']}")
     stable = {None: "-", True: "yes", False: "**no**"}[r["stable"]]
     lines.append(
-        f"| {r['family']} | {budget_label(r['budget'])} | {r['width']} x {r['depth']} | "
+        f"| {r['family']} | {budget_label(r['budget'])} | {r.get('seed', 0)} | "
+        f"{r['width']} x {r['depth']} | "
         f"{_count(r['params'])} | {_count(r['tokens'])} | {r['tokens'] / r['params']:.1f} | "
         f"{r['epochs']:.2f} | {steps} | {r['flops']:.2e} | {_cell(r['held_out_loss'], '.4f')} | "
         f"{_cell(r['spike_ratio'], '.3f')} | {stable} | {_cell(r['wall_time_s'], '.0f', ' s')} |")
   return "\n".join(lines)
 
 
+def mean_losses(rows: list[dict]) -> dict:
+  """``{(family, budget): (mean, lowest, highest)}`` of the final held-out losses over the
+  seeds, for the pairs whose every run finished (a pair with an unfinished run is absent)."""
+  by_pair = {}
+  for r in rows:
+    by_pair.setdefault((r["family"], r["budget"]), []).append(r["held_out_loss"])
+  return {pair: (sum(v) / len(v), min(v), max(v))
+          for pair, v in by_pair.items() if None not in v}
+
+
 def findings(rows: list[dict], families: list[str], budgets: list[float]) -> str:
   """The order of the families at each budget (the paper's beside it) and whether each
-  family's held-out loss falls with compute."""
-  loss = {(r["family"], r["budget"]): r["held_out_loss"] for r in rows}
-  lines = ["Order at each budget (lowest held-out loss first); the paper's Fig. 1(a): Griffin "
-           "below MQA at every budget, Hawk above it (GLA is not in the paper)."]
+  family's held-out loss falls with compute; over several seeds, of each family's mean."""
+  seeds = sorted({r.get("seed", 0) for r in rows})
+  loss = mean_losses(rows)
+  per_seed = {(r["family"], r["budget"], r.get("seed", 0)): r["held_out_loss"] for r in rows}
+
+  def value(pair) -> str:
+    mean, low, high = loss[pair]
+    return f"{mean:.4f}" + (f" ({low:.4f}-{high:.4f})" if len(seeds) > 1 else "")
+
+  what = "lowest mean held-out loss first" if len(seeds) > 1 else "lowest held-out loss first"
+  lines = [f"Order at each budget ({what}"
+           + (f"; over seeds {', '.join(map(str, seeds))}, their range in brackets"
+              if len(seeds) > 1 else "")
+           + "); the paper's Fig. 1(a): Griffin below MQA at every budget, Hawk above it (GLA "
+           "is not in the paper)."]
   for budget in budgets:
-    done = sorted((loss[(f, budget)], f) for f in families if loss[(f, budget)] is not None)
-    order = " < ".join(f"{f} {v:.4f}" for v, f in done) or "-"
+    done = sorted((loss[(f, budget)][0], f) for f in families if (f, budget) in loss)
+    order = " < ".join(f"{f} {value((f, budget))}" for _, f in done) or "-"
     check = ""
-    if loss.get(("griffin", budget)) is not None and loss.get(("mqa", budget)) is not None:
+    if ("griffin", budget) in loss and ("mqa", budget) in loss:
       check = ("; Griffin at or below MQA: "
-               + ("yes" if loss[("griffin", budget)] <= loss[("mqa", budget)] else "no"))
+               + ("yes" if loss[("griffin", budget)][0] <= loss[("mqa", budget)][0] else "no"))
+      if len(seeds) > 1:
+        below = sum(per_seed[("griffin", budget, s)] <= per_seed[("mqa", budget, s)]
+                    for s in seeds)
+        check += f" (with the same seed: {below} of {len(seeds)})"
     lines.append(f"- {budget_label(budget)}: {order}{check}")
   lines.append("")
-  lines.append("Held-out loss falls with compute:")
+  lines.append("Held-out loss falls with compute" + (" (means):" if len(seeds) > 1 else ":"))
   for family in families:
-    values = [loss[(family, b)] for b in budgets]
+    values = [loss.get((family, b), (None,))[0] for b in budgets]
     if len(values) < 2:
       verdict = "- (one budget)"
     elif None in values:
@@ -501,6 +539,7 @@ def write_report(out: str, rows: list[dict], families: list[str], budgets: list[
   import matplotlib.ticker  # pylint: disable=g-import-not-at-top
 
   text = table(rows) + "\n\n" + findings(rows, families, budgets) + "\n"
+  loss = mean_losses(rows)
   with open(os.path.join(out, "scaling_curves.md"), "w") as f:
     f.write(text)
   with open(os.path.join(out, "scaling_curves.json"), "w") as f:
@@ -512,9 +551,14 @@ def write_report(out: str, rows: list[dict], families: list[str], budgets: list[
     for r in mine:  # each run's held-out loss during training, faint
       if r["eval_curve"]:
         ax.plot(*zip(*r["eval_curve"]), color=color, alpha=0.3, linewidth=1)
-    done = [(r["flops"], r["held_out_loss"]) for r in mine if r["held_out_loss"] is not None]
+    # One point a budget (its seeds share the config, so the FLOPs): the mean, the range a bar.
+    done = sorted({(r["flops"], r["budget"]) for r in mine if (family, r["budget"]) in loss})
     if done:
-      ax.plot(*zip(*done), color=color, marker="o", label=family)
+      stats = [loss[(family, budget)] for _, budget in done]
+      x = [flops for flops, _ in done]
+      y = [mean for mean, _, _ in stats]
+      ax.errorbar(x, y, yerr=[[m - lo for m, lo, _ in stats], [hi - m for m, _, hi in stats]],
+                  color=color, marker="o", capsize=3, label=family)
   ax.set(xscale="log", yscale="log", xlabel="training FLOPs", ylabel="held-out loss (nats/byte)",
          title="Scaling curves (Griffin paper Fig. 1(a), scaled down)")
   ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
@@ -544,12 +588,24 @@ def _budgets(text: str) -> list[float]:
     raise argparse.ArgumentTypeError(f"{text!r} is not a list of numbers") from None
 
 
+def _seeds(text: str) -> list[int]:
+  try:
+    seeds = sorted({int(s) for s in text.split(",") if s})
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a list of whole numbers") from None
+  if not seeds or min(seeds) < 0:
+    raise argparse.ArgumentTypeError(f"{text!r}: seeds are whole numbers from 0")
+  return seeds
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True)
   parser.add_argument("--budgets", type=_budgets, default=list(BUDGETS),
                       help="training FLOPs of each run, comma-separated")
   parser.add_argument("--families", type=_families, default=list(FAMILIES))
+  parser.add_argument("--seeds", type=_seeds, default=[0],
+                      help="seeds of each family and budget, comma-separated (0: no suffix)")
   parser.add_argument("--time_limit", type=float, default=0,
                       help="seconds after which no run starts and the running one stops (0: none)")
   parser.add_argument("--parallel", type=int, default=1,
@@ -566,6 +622,8 @@ def main():
   args.config_overrides, unknown = cli.split_config_flags(rest)
   if unknown:
     parser.error(f"unknown argument {unknown[0]!r} (training fields: --config.FIELD=VALUE)")
+  if any(o.startswith("--config.seed=") for o in args.config_overrides):
+    parser.error("--config.seed would give every seed's runs one seed: use --seeds")
   if args.parallel < 1:
     parser.error(f"--parallel={args.parallel} must be at least 1")
   if not 0 < args.held_out < 1:
@@ -580,7 +638,8 @@ def main():
                                for s, v in splits.items())
         + f"; files.tsv sha256 {corpus['files_tsv_sha256']}", flush=True)
   with cli.user_errors():
-    runs = [plan(f, b, args) for b in args.budgets for f in args.families]
+    runs = [plan(f, b, args, seed) for b in args.budgets for f in args.families
+            for seed in args.seeds]
   failed = [] if args.skip_training else train_all(runs, args)
   rows = [summarize(r, splits["train"]["bytes"]) for r in runs]
   text = write_report(args.out, rows, args.families, args.budgets)

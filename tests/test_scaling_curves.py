@@ -190,23 +190,51 @@ def test_runs_stop_at_the_time_limit_resume_and_are_reported(tmp_path):
       ("hawk", steps, steps), ("hawk", total, total)]
   assert all(r["held_out_loss"] > 0 and r["spike_ratio"] >= 1 for r in rows)
   table = (out / "scaling_curves.md").read_text()
-  assert table.count("\n| hawk | ") == 2 and f"| hawk | {large} | 32 x 3 |" in table
+  assert table.count("\n| hawk | ") == 2 and f"| hawk | {large} | 0 | 32 x 3 |" in table
   assert "- hawk: " in table and "Order at each budget" in table
   assert (out / "scaling_curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.slow  # ~25 s on 2 CPU cores: two tiny trainings at once
-def test_parallel_runs_train_at_once(tmp_path):
+def test_parallel_runs_of_two_seeds_train_at_once(tmp_path):
   sources = fake_site_packages(tmp_path / "src")
   out = tmp_path / "out"
   text = run_script("scaling_curves.py", f"--out={out}", f"--source_dirs={','.join(sources)}",
-                    "--held_out=0.3", "--max_file_kb=16", "--families=hawk,mqa", *TINY,
+                    "--held_out=0.3", "--max_file_kb=16", "--families=hawk", "--seeds=1,0", *TINY,
                     "--config.model.dtype=float32", "--config.data.eval_tokens=512",
                     "--budgets=3e09", "--parallel=2").stdout
   lines = text.splitlines()
   first_done = min(i for i, line in enumerate(lines) if ": done in" in line)
   started = [i for i, line in enumerate(lines) if ": starting of" in line]
   assert len(started) == 2 and max(started) < first_done, text  # the second began before
+  assert sorted(os.listdir(out / "runs")) == ["hawk_3e09", "hawk_3e09_s1"]
   rows = json.loads((out / "scaling_curves.json").read_text())
-  assert sorted((r["family"], r["steps_done"] == r["steps"]) for r in rows) == [
-      ("hawk", True), ("mqa", True)]
+  assert sorted((r["seed"], r["steps_done"] == r["steps"]) for r in rows) == [(0, True), (1, True)]
+  losses = [r["held_out_loss"] for r in rows]
+  assert losses[0] != losses[1]  # another initialisation and data order
+  report = (out / "scaling_curves.md").read_text()
+  assert f"hawk {sum(losses) / 2:.4f} ({min(losses):.4f}-{max(losses):.4f})" in report
+
+
+def test_findings_compare_means_over_seeds():
+  losses = {("mqa", 1e15): [0.90, 0.92, 0.94], ("griffin", 1e15): [0.99, 0.88, 0.92],
+            ("mqa", 1e16): [0.70, 0.69, 0.71], ("griffin", 1e16): [0.69, 0.70, 0.74]}
+  rows = [{"family": f, "budget": b, "seed": seed, "held_out_loss": loss}
+          for (f, b), values in losses.items() for seed, loss in enumerate(values)]
+  text = scaling.findings(rows, ["mqa", "griffin"], [1e15, 1e16])
+  # At 1e15 Griffin's mean is above MQA's though two of its three seeds are below theirs.
+  assert ("- 1e15: mqa 0.9200 (0.9000-0.9400) < griffin 0.9300 (0.8800-0.9900); Griffin at or "
+          "below MQA: no (with the same seed: 2 of 3)") in text
+  assert ("- 1e16: mqa 0.7000 (0.6900-0.7100) < griffin 0.7100 (0.6900-0.7400); Griffin at or "
+          "below MQA: no (with the same seed: 1 of 3)") in text
+  assert "- griffin: yes (0.9300, 0.7100)" in text
+  rows[-1]["held_out_loss"] = None  # an unfinished run: no mean for its pair
+  text = scaling.findings(rows, ["mqa", "griffin"], [1e15, 1e16])
+  assert "- 1e16: mqa 0.7000 (0.6900-0.7100)\n" in text
+  assert "- griffin: - (not every run finished)" in text
+
+
+def test_config_seed_is_refused_for_seeds():
+  result = run_script("scaling_curves.py", "--out=/nonexistent/x", "--config.seed=3",
+                      check=False)
+  assert result.returncode == 2 and "use --seeds" in result.stderr
