@@ -276,13 +276,9 @@ def _size(value: str, unit: str) -> int:
   return int(float(value) * 1024 ** " KMGT".index(unit))
 
 
-def compile_program(lowered) -> Program:
+def _compile(lowered) -> Program:
   """Compiles a lowered program (``jax.jit(f).lower(...)``), keeping a refusal for its size
   (out of memory while compiling) as a Program without ``compiled``."""
-  return _compile(lowered)
-
-
-def _compile(lowered) -> Program:
   started = time.perf_counter()
   try:
     compiled = lowered.compile()
