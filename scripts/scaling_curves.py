@@ -28,9 +28,8 @@ compute budgets, trained on the Python source of the packages installed where it
    divided by its training FLOPs per token (``recurrentgemma_jax/flops.py``). Each run is
    ``scripts/train.py`` in ``DIR/runs/FAMILY_BUDGET`` (``FAMILY_BUDGET_sSEED`` for each of
    ``--seeds`` but 0; the seed sets the initialisation and the data order; log: ``train.log``
-   there); a finished
-   run is skipped, an unfinished one resumes from its checkpoint; ``--parallel N`` trains N at
-   once. ``--time_limit``: no run starts after that many seconds and those running get SIGTERM
+   there); a finished run is skipped, an unfinished one resumes from its checkpoint;
+   ``--parallel N`` trains N at once. ``--time_limit``: no run starts after that many seconds and those running get SIGTERM
    (each saves its step; rerun to continue).
 3. The report: ``DIR/scaling_curves.md`` (the table), ``DIR/scaling_curves.json`` and
    ``DIR/scaling_curves.png`` (held-out loss against training FLOPs); the table, the order of
