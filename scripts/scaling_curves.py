@@ -35,6 +35,8 @@ compute budgets, trained on the Python source of the packages installed where it
    ``DIR/scaling_curves.png`` (held-out loss against training FLOPs); the table, the order of
    the families at each budget and whether each family's loss falls with compute are printed.
    With several seeds these compare each family's mean over its seeds, and give the range.
+   Then each family's held-out loss at a quarter, half and three quarters of its runs and at
+   their end (where Griffin's gap to MQA opens and closes).
 
 docs/scaling_curves.md gives the recipe and how it was scaled down from the paper's.
 """
@@ -528,7 +530,35 @@ def findings(rows: list[dict], families: list[str], budgets: list[float]) -> str
     else:
       verdict = "yes" if all(a > b for a, b in zip(values, values[1:])) else "no"
     lines.append(f"- {family}: {verdict} (" + ", ".join(_cell(v, ".4f") for v in values) + ")")
+  lines.append("")
+  lines.append("Held-out loss during training, at " + ", ".join(f"{f:g}" for f in FRACTIONS)
+               + " of each run" + (" (means over the seeds)" if len(seeds) > 1 else "") + ":")
+  for budget in budgets:
+    cells = []
+    for family in families:
+      mine = [r for r in rows if r["family"] == family and r["budget"] == budget]
+      values = [_mean([loss_at(r, f) for r in mine]) for f in FRACTIONS]
+      cells.append(f"{family} " + ", ".join(_cell(v, ".3f") for v in values))
+    lines.append(f"- {budget_label(budget)}: " + "; ".join(cells))
   return "\n".join(lines)
+
+
+FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+
+
+def loss_at(row: dict, fraction: float) -> float | None:
+  """The run's last held-out evaluation within the first ``fraction`` of its steps (None if it
+  has none there, or has not reached that point)."""
+  if row["steps_done"] < fraction * row["steps"]:
+    return None
+  # eval_curve's FLOPs are the steps' share of the run's FLOPs (1e-9: rounding).
+  within = [loss for flops, loss in sorted(row["eval_curve"])
+            if flops <= fraction * row["flops"] * (1 + 1e-9)]
+  return within[-1] if within else None
+
+
+def _mean(values: list) -> float | None:
+  return None if not values or None in values else sum(values) / len(values)
 
 
 def write_report(out: str, rows: list[dict], families: list[str], budgets: list[float]) -> str:

@@ -219,7 +219,12 @@ def test_parallel_runs_of_two_seeds_train_at_once(tmp_path):
 def test_findings_compare_means_over_seeds():
   losses = {("mqa", 1e15): [0.90, 0.92, 0.94], ("griffin", 1e15): [0.99, 0.88, 0.92],
             ("mqa", 1e16): [0.70, 0.69, 0.71], ("griffin", 1e16): [0.69, 0.70, 0.74]}
-  rows = [{"family": f, "budget": b, "seed": seed, "held_out_loss": loss}
+  # Evaluations at each eighth of 80 steps, falling evenly from 2.0 at the first to the final
+  # loss at the last.
+  rows = [{"family": f, "budget": b, "seed": seed, "held_out_loss": loss, "steps": 80,
+           "steps_done": 80, "flops": 80 * b,
+           "eval_curve": [(step * b, 2.0 - (2.0 - loss) * (step / 10 - 1) / 7)
+                          for step in range(10, 81, 10)]}
           for (f, b), values in losses.items() for seed, loss in enumerate(values)]
   text = scaling.findings(rows, ["mqa", "griffin"], [1e15, 1e16])
   # At 1e15 Griffin's mean is above MQA's though two of its three seeds are below theirs.
@@ -228,6 +233,14 @@ def test_findings_compare_means_over_seeds():
   assert ("- 1e16: mqa 0.7000 (0.6900-0.7100) < griffin 0.7100 (0.6900-0.7400); Griffin at or "
           "below MQA: no (with the same seed: 1 of 3)") in text
   assert "- griffin: yes (0.9300, 0.7100)" in text
+  # At a quarter (step 20): 2 - (2 - loss) / 7, averaged over the seeds.
+  quarter = {pair: 2 - (2 - sum(v) / 3) / 7 for pair, v in losses.items()}
+  assert (f"- 1e15: mqa {quarter[('mqa', 1e15)]:.3f}, " in text
+          and f"0.920; griffin {quarter[('griffin', 1e15)]:.3f}, " in text)
+  rows[0]["steps_done"] = 30  # mqa at 1e15, seed 0, stopped before half of its run
+  text = scaling.findings(rows, ["mqa", "griffin"], [1e15, 1e16])
+  assert f"- 1e15: mqa {quarter[('mqa', 1e15)]:.3f}, -, -, -; griffin" in text
+  rows[0]["steps_done"] = 80
   rows[-1]["held_out_loss"] = None  # an unfinished run: no mean for its pair
   text = scaling.findings(rows, ["mqa", "griffin"], [1e15, 1e16])
   assert "- 1e16: mqa 0.7000 (0.6900-0.7100)\n" in text
