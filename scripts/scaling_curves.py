@@ -71,6 +71,7 @@ from recurrentgemma_jax import train as train_lib
 BASE_CONFIG = os.path.join(ROOT, "configs", "default.py")
 FAMILIES = ("mqa", "hawk", "griffin", "gla")
 BUDGETS = (1e15, 3e15, 1e16)
+FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # of a run, where the report gives its held-out loss
 # The model table (Table 2 of the paper, scaled down): the paper's 100M-400M models keep depth 12
 # and grow the width, with heads of 128, D_RNN about 4/3 D and 16 gate blocks.
 DEPTH = 6  # a multiple of 3: Griffin's blocks are (R, R, A) twice
@@ -541,9 +542,6 @@ def findings(rows: list[dict], families: list[str], budgets: list[float]) -> str
       cells.append(f"{family} " + ", ".join(_cell(v, ".3f") for v in values))
     lines.append(f"- {budget_label(budget)}: " + "; ".join(cells))
   return "\n".join(lines)
-
-
-FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 
 
 def loss_at(row: dict, fraction: float) -> float | None:
