@@ -3,8 +3,8 @@ held-out loss against training FLOPs for the MQA Transformer, Hawk, Griffin and 
 compute budgets, trained on the Python source of the packages installed where it runs.
 
   python scripts/scaling_curves.py --out DIR [--budgets 1e15,3e15,1e16]
-      [--families mqa,hawk,griffin,gla] [--seeds 0] [--time_limit SECONDS] [--parallel N]
-      [--skip_training]
+      [--families mqa,hawk,griffin,gla] [--seeds 0] [--learning_rates 1e-3]
+      [--time_limit SECONDS] [--parallel N] [--skip_training]
       [--source_dirs DIR,...] [--held_out 0.02] [--max_file_kb 1024] [--corpus_max_mb 0]
       [--piece_chars 2048]
       [--config.FIELD=VALUE ...]   (passed to every training run, after the script's own)
@@ -26,15 +26,17 @@ compute budgets, trained on the Python source of the packages installed where it
    width, MLP expansion 3); each budget takes the width whose Chinchilla-optimal compute (20
    training tokens per Griffin parameter) is nearest, and each family trains for the budget
    divided by its training FLOPs per token (``recurrentgemma_jax/flops.py``). Each run is
-   ``scripts/train.py`` in ``DIR/runs/FAMILY_BUDGET`` (``FAMILY_BUDGET_sSEED`` for each of
-   ``--seeds`` but 0; the seed sets the initialisation and the data order; log: ``train.log``
-   there); a finished run is skipped, an unfinished one resumes from its checkpoint;
-   ``--parallel N`` trains N at once. ``--time_limit``: no run starts after that many seconds and those running get SIGTERM
+   ``scripts/train.py`` in ``DIR/runs/FAMILY_BUDGET`` (``_lrRATE`` added for each of
+   ``--learning_rates`` but the recipe's, ``_sSEED`` for each of ``--seeds`` but 0; the seed
+   sets the initialisation and the data order; log: ``train.log`` there); a finished run is
+   skipped, an unfinished one resumes from its checkpoint; ``--parallel N`` trains N at once. ``--time_limit``: no run starts after that many seconds and those running get SIGTERM
    (each saves its step; rerun to continue).
 3. The report: ``DIR/scaling_curves.md`` (the table), ``DIR/scaling_curves.json`` and
    ``DIR/scaling_curves.png`` (held-out loss against training FLOPs); the table, the order of
    the families at each budget and whether each family's loss falls with compute are printed.
-   With several seeds these compare each family's mean over its seeds, and give the range.
+   With several seeds these compare each family's mean over its seeds, and give the range;
+   with several learning rates, each family at each budget is compared at its best rate (the
+   lowest mean), after a table of every rate's mean.
    Then each family's held-out loss at a quarter, half and three quarters of its runs and at
    their end (where Griffin's gap to MQA opens and closes).
 
@@ -83,7 +85,7 @@ TOKENS_PER_PARAM = 20  # Chinchilla, as the paper's Table 2 (1.9B tokens at 100M
 RECIPE = {
     "seq_len": 512,
     "batch_size": 64,
-    "optimizer.learning_rate": 1e-3,
+    "optimizer.learning_rate": 1e-3,  # --learning_rates tries others
     "optimizer.schedule": "cosine",
     "optimizer.final_lr_fraction": 0.1,
     "optimizer.b2": 0.95,
@@ -259,7 +261,7 @@ class Run:
 
   @property
   def name(self) -> str:
-    return run_name(self.family, self.budget, self.seed)
+    return run_name(self.family, self.budget, self.seed, self.config.optimizer.learning_rate)
 
   @property
   def tokens_per_step(self) -> int:
@@ -274,10 +276,12 @@ def budget_label(budget: float) -> str:
   return f"{budget:g}".replace("+", "")
 
 
-def run_name(family: str, budget: float, seed: int) -> str:
-  """``FAMILY_BUDGET``, with ``_sSEED`` for seeds other than 0 (a sweep of one seed keeps the
-  names it had before seeds were an option)."""
-  return f"{family}_{budget_label(budget)}" + (f"_s{seed}" if seed else "")
+def run_name(family: str, budget: float, seed: int, learning_rate: float) -> str:
+  """``FAMILY_BUDGET``, with ``_lrRATE`` for rates other than the recipe's and ``_sSEED`` for
+  seeds other than 0 (a sweep of one seed and rate keeps the names it had before either was
+  an option)."""
+  lr = "" if learning_rate == RECIPE["optimizer.learning_rate"] else f"_lr{learning_rate:g}"
+  return f"{family}_{budget_label(budget)}{lr}" + (f"_s{seed}" if seed else "")
 
 
 def _flags(fields: dict, args) -> list[str]:
@@ -314,9 +318,10 @@ def _optimal_compute(width: int, overrides: tuple[str, ...]) -> float:
       cfg, config.seq_len)
 
 
-def plan(family: str, budget: float, args, seed: int = 0) -> Run:
-  """The run of ``family`` at ``budget`` training FLOPs with ``seed`` (overrides given to the
-  script win)."""
+def plan(family: str, budget: float, args, seed: int = 0,
+         learning_rate: float = RECIPE["optimizer.learning_rate"]) -> Run:
+  """The run of ``family`` at ``budget`` training FLOPs with ``seed`` and a peak
+  ``learning_rate`` (overrides given to the script win)."""
   width = min(WIDTHS, key=lambda w: abs(math.log(
       _optimal_compute(w, tuple(args.config_overrides)) / budget)))
   fields = model_fields(family, width, args)
@@ -324,14 +329,15 @@ def plan(family: str, budget: float, args, seed: int = 0) -> Run:
   cfg = _model(config)
   per_token = flops.train_flops_per_token(cfg, config.seq_len)
   steps = max(1, round(budget / per_token / (config.batch_size * config.seq_len)))
-  fields.update({"seed": seed, "total_steps": steps,
+  fields.update({"seed": seed, "optimizer.learning_rate": learning_rate, "total_steps": steps,
                  "optimizer.warmup_steps": max(1, round(WARMUP_FRACTION * steps)),
                  "log_every": max(1, min(10, steps // 100)),
                  "eval_every": max(1, steps // 8), "checkpoint_every": max(1, steps // 4)})
   flags = _flags(fields, args)
   config = _config(flags)
-  return Run(family, budget, os.path.join(args.out, "runs", run_name(family, budget, seed)),
-             flags, config, model_lib.count_params(cfg), per_token, seed)
+  name = run_name(family, budget, seed, config.optimizer.learning_rate)
+  return Run(family, budget, os.path.join(args.out, "runs", name), flags, config,
+             model_lib.count_params(cfg), per_token, seed)
 
 
 def finished(run: Run) -> bool:
@@ -443,7 +449,8 @@ def summarize(run: Run, train_bytes: int) -> dict:
   warm = sum(1 for step, _ in train if step <= run.config.optimizer.warmup_steps)
   spike = spike_ratio([loss for _, loss in train], warm) if train else None
   return {
-      "family": run.family, "budget": run.budget, "seed": run.seed, "flops": run.flops,
+      "family": run.family, "budget": run.budget, "seed": run.seed,
+      "learning_rate": run.config.optimizer.learning_rate, "flops": run.flops,
       "width": run.config.model.width, "depth": run.config.model.num_layers,
       "params": run.params, "tokens": run.tokens_per_step * run.config.total_steps,
       "epochs": run.tokens_per_step * run.config.total_steps / train_bytes,
@@ -465,15 +472,16 @@ def _cell(value, fmt: str, unit: str = "") -> str:
 
 
 def table(rows: list[dict]) -> str:
-  lines = ["| family | budget | seed | width x depth | params | tokens | tokens/param | epochs | "
-           "steps | FLOPs | held-out loss | spike ratio | stable | wall time |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| family | budget | learning rate | seed | width x depth | params | tokens | "
+           "tokens/param | epochs | steps | FLOPs | held-out loss | spike ratio | stable | "
+           "wall time |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     steps = (str(r["steps"]) if r["steps_done"] >= r["steps"]
              else f"{r['steps_done']} of {r['steps']}")
     stable = {None: "-", True: "yes", False: "**no**"}[r["stable"]]
     lines.append(
-        f"| {r['family']} | {budget_label(r['budget'])} | {r.get('seed', 0)} | "
+        f"| {r['family']} | {budget_label(r['budget'])} | {_rate(r):g} | {r.get('seed', 0)} | "
         f"{r['width']} x {r['depth']} | "
         f"{_count(r['params'])} | {_count(r['tokens'])} | {r['tokens'] / r['params']:.1f} | "
         f"{r['epochs']:.2f} | {steps} | {r['flops']:.2e} | {_cell(r['held_out_loss'], '.4f')} | "
@@ -481,19 +489,54 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def mean_losses(rows: list[dict]) -> dict:
-  """``{(family, budget): (mean, lowest, highest)}`` of the final held-out losses over the
-  seeds, for the pairs whose every run finished (a pair with an unfinished run is absent)."""
-  by_pair = {}
+def _rate(row: dict) -> float:
+  return row.get("learning_rate", RECIPE["optimizer.learning_rate"])
+
+
+def mean_losses(rows: list[dict], key=lambda r: (r["family"], r["budget"])) -> dict:
+  """``{key(row): (mean, lowest, highest)}`` of the final held-out losses over the rows of
+  each key (the seeds), for the keys whose every run finished (others are absent)."""
+  groups = {}
   for r in rows:
-    by_pair.setdefault((r["family"], r["budget"]), []).append(r["held_out_loss"])
-  return {pair: (sum(v) / len(v), min(v), max(v))
-          for pair, v in by_pair.items() if None not in v}
+    groups.setdefault(key(r), []).append(r["held_out_loss"])
+  return {k: (sum(v) / len(v), min(v), max(v)) for k, v in groups.items() if None not in v}
+
+
+def _by_rate(r: dict) -> tuple:
+  return r["family"], r["budget"], _rate(r)
+
+
+def at_best_rate(rows: list[dict]) -> list[dict]:
+  """The rows of each family and budget at its learning rate with the lowest mean held-out
+  loss over the seeds (among the rates whose every run finished; the lowest rate if none)."""
+  means = mean_losses(rows, _by_rate)
+  best = {}
+  for r in rows:
+    pair, rate = (r["family"], r["budget"]), _rate(r)
+    mine = means.get((*pair, rate), (math.inf,))[0]
+    if pair not in best or (mine, rate) < best[pair]:
+      best[pair] = (mine, rate)
+  return [r for r in rows if _rate(r) == best[(r["family"], r["budget"])][1]]
 
 
 def findings(rows: list[dict], families: list[str], budgets: list[float]) -> str:
   """The order of the families at each budget (the paper's beside it) and whether each
-  family's held-out loss falls with compute; over several seeds, of each family's mean."""
+  family's held-out loss falls with compute; over several seeds, of each family's mean; over
+  several learning rates, at each family's best for each budget (after a table of them)."""
+  lines = []
+  rates = sorted({_rate(r) for r in rows})
+  if len(rates) > 1:
+    means = mean_losses(rows, _by_rate)
+    rows = at_best_rate(rows)
+    chosen = {_by_rate(r) for r in rows}
+    lines += ["Learning rates (mean held-out loss over the seeds; * the rate each family and "
+              "budget is compared at below):"]
+    for budget in budgets:
+      cells = [f"{f} " + ", ".join(
+          f"{rate:g} {_cell(means.get((f, budget, rate), (None,))[0], '.4f')}"
+          + ("*" if (f, budget, rate) in chosen else "") for rate in rates) for f in families]
+      lines.append(f"- {budget_label(budget)}: " + "; ".join(cells))
+    lines.append("")
   seeds = sorted({r.get("seed", 0) for r in rows})
   loss = mean_losses(rows)
   per_seed = {(r["family"], r["budget"], r.get("seed", 0)): r["held_out_loss"] for r in rows}
@@ -503,7 +546,7 @@ def findings(rows: list[dict], families: list[str], budgets: list[float]) -> str
     return f"{mean:.4f}" + (f" ({low:.4f}-{high:.4f})" if len(seeds) > 1 else "")
 
   what = "lowest mean held-out loss first" if len(seeds) > 1 else "lowest held-out loss first"
-  lines = [f"Order at each budget ({what}"
+  lines += [f"Order at each budget ({what}"
            + (f"; over seeds {', '.join(map(str, seeds))}, their range in brackets"
               if len(seeds) > 1 else "")
            + "); the paper's Fig. 1(a): Griffin below MQA at every budget, Hawk above it (GLA "
@@ -566,7 +609,8 @@ def write_report(out: str, rows: list[dict], families: list[str], budgets: list[
   import matplotlib.ticker  # pylint: disable=g-import-not-at-top
 
   text = table(rows) + "\n\n" + findings(rows, families, budgets) + "\n"
-  loss = mean_losses(rows)
+  shown = at_best_rate(rows)  # all of them with one learning rate
+  loss = mean_losses(shown)
   with open(os.path.join(out, "scaling_curves.md"), "w") as f:
     f.write(text)
   with open(os.path.join(out, "scaling_curves.json"), "w") as f:
@@ -574,7 +618,7 @@ def write_report(out: str, rows: list[dict], families: list[str], budgets: list[
   fig, ax = plt.subplots(figsize=(6, 4.5))
   for i, family in enumerate(families):
     color = f"C{i}"
-    mine = [r for r in rows if r["family"] == family]
+    mine = [r for r in shown if r["family"] == family]
     for r in mine:  # each run's held-out loss during training, faint
       if r["eval_curve"]:
         ax.plot(*zip(*r["eval_curve"]), color=color, alpha=0.3, linewidth=1)
@@ -615,6 +659,16 @@ def _budgets(text: str) -> list[float]:
     raise argparse.ArgumentTypeError(f"{text!r} is not a list of numbers") from None
 
 
+def _rates(text: str) -> list[float]:
+  try:
+    rates = sorted({float(r) for r in text.split(",") if r})
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a list of numbers") from None
+  if not rates or min(rates) <= 0:
+    raise argparse.ArgumentTypeError(f"{text!r}: learning rates are numbers above 0")
+  return rates
+
+
 def _seeds(text: str) -> list[int]:
   try:
     seeds = sorted({int(s) for s in text.split(",") if s})
@@ -633,6 +687,9 @@ def main():
   parser.add_argument("--families", type=_families, default=list(FAMILIES))
   parser.add_argument("--seeds", type=_seeds, default=[0],
                       help="seeds of each family and budget, comma-separated (0: no suffix)")
+  parser.add_argument("--learning_rates", type=_rates,
+                      default=[RECIPE["optimizer.learning_rate"]],
+                      help="peak learning rates tried for each family and budget, comma-separated")
   parser.add_argument("--time_limit", type=float, default=0,
                       help="seconds after which no run starts and the running one stops (0: none)")
   parser.add_argument("--parallel", type=int, default=1,
@@ -649,8 +706,10 @@ def main():
   args.config_overrides, unknown = cli.split_config_flags(rest)
   if unknown:
     parser.error(f"unknown argument {unknown[0]!r} (training fields: --config.FIELD=VALUE)")
-  if any(o.startswith("--config.seed=") for o in args.config_overrides):
-    parser.error("--config.seed would give every seed's runs one seed: use --seeds")
+  for field, option in (("seed", "--seeds"), ("optimizer.learning_rate", "--learning_rates")):
+    if any(o.startswith(f"--config.{field}=") for o in args.config_overrides):
+      parser.error(f"--config.{field} would name runs by another value than they train with: "
+                   f"use {option}")
   if args.parallel < 1:
     parser.error(f"--parallel={args.parallel} must be at least 1")
   if not 0 < args.held_out < 1:
@@ -665,8 +724,8 @@ def main():
                                for s, v in splits.items())
         + f"; files.tsv sha256 {corpus['files_tsv_sha256']}", flush=True)
   with cli.user_errors():
-    runs = [plan(f, b, args, seed) for b in args.budgets for f in args.families
-            for seed in args.seeds]
+    runs = [plan(f, b, args, seed, rate) for b in args.budgets for f in args.families
+            for rate in args.learning_rates for seed in args.seeds]
   failed = [] if args.skip_training else train_all(runs, args)
   rows = [summarize(r, splits["train"]["bytes"]) for r in runs]
   text = write_report(args.out, rows, args.families, args.budgets)

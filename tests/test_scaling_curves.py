@@ -190,7 +190,7 @@ def test_runs_stop_at_the_time_limit_resume_and_are_reported(tmp_path):
       ("hawk", steps, steps), ("hawk", total, total)]
   assert all(r["held_out_loss"] > 0 and r["spike_ratio"] >= 1 for r in rows)
   table = (out / "scaling_curves.md").read_text()
-  assert table.count("\n| hawk | ") == 2 and f"| hawk | {large} | 0 | 32 x 3 |" in table
+  assert table.count("\n| hawk | ") == 2 and f"| hawk | {large} | 0.001 | 0 | 32 x 3 |" in table
   assert "- hawk: " in table and "Order at each budget" in table
   assert (out / "scaling_curves.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -247,7 +247,24 @@ def test_findings_compare_means_over_seeds():
   assert "- griffin: - (not every run finished)" in text
 
 
-def test_config_seed_is_refused_for_seeds():
-  result = run_script("scaling_curves.py", "--out=/nonexistent/x", "--config.seed=3",
-                      check=False)
-  assert result.returncode == 2 and "use --seeds" in result.stderr
+def test_findings_compare_each_family_at_its_best_learning_rate():
+  losses = {("mqa", 1e-3): [0.90, 0.92], ("mqa", 3e-3): [0.85, 0.86],
+            ("griffin", 1e-3): [0.88, 0.89], ("griffin", 3e-3): [0.87, None]}  # one unfinished
+  rows = [{"family": f, "budget": 1e15, "learning_rate": rate, "seed": seed,
+           "held_out_loss": loss, "steps": 8, "steps_done": 8 if loss else 4, "flops": 8.0,
+           "eval_curve": [(8.0, loss)] if loss else []}
+          for (f, rate), values in losses.items() for seed, loss in enumerate(values)]
+  text = scaling.findings(rows, ["mqa", "griffin"], [1e15])
+  # Griffin's 3e-3 runs have not all finished, so its finished 1e-3 is its best.
+  assert ("- 1e15: mqa 0.001 0.9100, 0.003 0.8550*; griffin 0.001 0.8850*, 0.003 -" in text)
+  assert ("- 1e15: mqa 0.8550 (0.8500-0.8600) < griffin 0.8850 (0.8800-0.8900); Griffin at or "
+          "below MQA: no (with the same seed: 0 of 2)") in text
+  assert scaling.run_name("mqa", 1e15, 0, 1e-3) == "mqa_1e15"
+  assert scaling.run_name("mqa", 1e15, 2, 3e-3) == "mqa_1e15_lr0.003_s2"
+
+
+def test_config_seed_and_learning_rate_are_refused_for_their_options():
+  for flag, option in (("--config.seed=3", "--seeds"),
+                       ("--config.optimizer.learning_rate=3e-3", "--learning_rates")):
+    result = run_script("scaling_curves.py", "--out=/nonexistent/x", flag, check=False)
+    assert result.returncode == 2 and f"use {option}" in result.stderr, result.stderr
