@@ -340,6 +340,27 @@ def plan(family: str, budget: float, args, seed: int = 0,
              model_lib.count_params(cfg), per_token, seed)
 
 
+def _identity_file(run: Run) -> str:
+  return os.path.join(run.workdir, "run.json")
+
+
+def _identity(run: Run) -> dict:
+  """What a run's folder name stands for, beyond the family and budget."""
+  return {"seed": run.seed, "learning_rate": run.config.optimizer.learning_rate}
+
+
+def check_identities(runs: list[Run]) -> None:
+  """Stops (exit 1) when a planned run's folder holds a run of another seed or learning rate
+  (``run.json``, written at its first start; folders from before it was written pass)."""
+  for run in runs:
+    if os.path.exists(_identity_file(run)):
+      with open(_identity_file(run)) as f:
+        saved = json.load(f)
+      if saved != _identity(run):
+        sys.exit(f"error: {run.workdir} holds a run with {saved} (its run.json), not the "
+                 f"planned {_identity(run)}; use another --out")
+
+
 def finished(run: Run) -> bool:
   return any(r.get("step") == run.config.total_steps and "eval_loss" in r
              for r in train_lib.read_metrics(run.workdir))
@@ -384,6 +405,8 @@ def train_all(runs: list[Run], args) -> list[str]:
 
   def start(run: Run):
     os.makedirs(run.workdir, exist_ok=True)
+    with open(_identity_file(run), "w") as f:
+      json.dump(_identity(run), f)
     steps = checkpoint.committed_steps(os.path.join(run.workdir, "checkpoints"))
     begin = f"resuming at step {max(steps)}" if steps else "starting"
     print(f"{run.name}: {begin} of {run.config.total_steps} ({run.params / 1e6:.2f}M "
@@ -592,6 +615,8 @@ def loss_at(row: dict, fraction: float) -> float | None:
   has none there, or has not reached that point)."""
   if row["steps_done"] < fraction * row["steps"]:
     return None
+  if fraction >= 1:  # the end: the final evaluation (none if the run stopped before it)
+    return row["held_out_loss"]
   # eval_curve's FLOPs are the steps' share of the run's FLOPs (1e-9: rounding).
   within = [loss for flops, loss in sorted(row["eval_curve"])
             if flops <= fraction * row["flops"] * (1 + 1e-9)]
@@ -717,15 +742,20 @@ def main():
   args.source_dirs = ([os.path.abspath(d) for d in args.source_dirs.split(",") if d]
                       or default_source_dirs())
 
+  with cli.user_errors():
+    runs = [plan(f, b, args, seed, rate) for b in args.budgets for f in args.families
+            for rate in args.learning_rates for seed in args.seeds]
+  names = [r.name for r in runs]
+  if len(set(names)) < len(names):
+    parser.error(f"two planned runs would share the folder {max(names, key=names.count)}: "
+                 "give --learning_rates that differ in their first 6 significant digits")
   os.makedirs(args.out, exist_ok=True)
   corpus = build_corpus(args.out, args)["corpus"]
   splits = corpus["splits"]
   print("corpus: " + ", ".join(f"{s} {v['files']} files, {v['bytes'] / 1e6:.1f} MB"
                                for s, v in splits.items())
         + f"; files.tsv sha256 {corpus['files_tsv_sha256']}", flush=True)
-  with cli.user_errors():
-    runs = [plan(f, b, args, seed, rate) for b in args.budgets for f in args.families
-            for rate in args.learning_rates for seed in args.seeds]
+  check_identities(runs)
   failed = [] if args.skip_training else train_all(runs, args)
   rows = [summarize(r, splits["train"]["bytes"]) for r in runs]
   text = write_report(args.out, rows, args.families, args.budgets)

@@ -5,6 +5,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 
@@ -245,6 +246,8 @@ def test_findings_compare_means_over_seeds():
   text = scaling.findings(rows, ["mqa", "griffin"], [1e15, 1e16])
   assert "- 1e16: mqa 0.7000 (0.6900-0.7100)\n" in text
   assert "- griffin: - (not every run finished)" in text
+  # That run reached its last step without a final evaluation: no value at the end.
+  assert re.search(r"- 1e16: mqa [\d., ]+; griffin [\d.]+, [\d.]+, [\d.]+, -$", text), text
 
 
 def test_findings_compare_each_family_at_its_best_learning_rate():
@@ -268,3 +271,20 @@ def test_config_seed_and_learning_rate_are_refused_for_their_options():
                        ("--config.optimizer.learning_rate=3e-3", "--learning_rates")):
     result = run_script("scaling_curves.py", "--out=/nonexistent/x", flag, check=False)
     assert result.returncode == 2 and f"use {option}" in result.stderr, result.stderr
+  result = run_script("scaling_curves.py", "--out=/nonexistent/x", "--families=hawk",
+                      "--learning_rates=1.0000001e-3,1.0000002e-3", check=False)
+  assert result.returncode == 2 and "share the folder hawk_1e15_lr0.001" in result.stderr
+
+
+def test_a_folder_of_another_seed_or_rate_is_refused(tmp_path):
+  args = argparse.Namespace(out=str(tmp_path), config_overrides=[])
+  run = scaling.plan("hawk", 1e15, args, seed=1, learning_rate=3e-3)
+  scaling.check_identities([run])  # no folder yet
+  os.makedirs(run.workdir)
+  with open(os.path.join(run.workdir, "run.json"), "w") as f:
+    json.dump({"seed": 1, "learning_rate": 3e-3}, f)
+  scaling.check_identities([run])  # the same run
+  with open(os.path.join(run.workdir, "run.json"), "w") as f:
+    json.dump({"seed": 0, "learning_rate": 3e-3}, f)
+  with pytest.raises(SystemExit, match="use another --out"):
+    scaling.check_identities([run])
