@@ -29,8 +29,9 @@ compute budgets, trained on the Python source of the packages installed where it
    ``scripts/train.py`` in ``DIR/runs/FAMILY_BUDGET`` (``_lrRATE`` added for each of
    ``--learning_rates`` but the recipe's, ``_sSEED`` for each of ``--seeds`` but 0; the seed
    sets the initialisation and the data order; log: ``train.log`` there); a finished run is
-   skipped, an unfinished one resumes from its checkpoint; ``--parallel N`` trains N at once. ``--time_limit``: no run starts after that many seconds and those running get SIGTERM
-   (each saves its step; rerun to continue).
+   skipped, an unfinished one resumes from its checkpoint; ``--parallel N`` trains N at once.
+   ``--time_limit``: no run starts after that many seconds and those running get SIGTERM (each
+   saves its step; rerun to continue).
 3. The report: ``DIR/scaling_curves.md`` (the table), ``DIR/scaling_curves.json`` and
    ``DIR/scaling_curves.png`` (held-out loss against training FLOPs); the table, the order of
    the families at each budget and whether each family's loss falls with compute are printed.
@@ -257,11 +258,11 @@ class Run:
   config: object  # the ConfigDict those flags give
   params: int
   flops_per_token: float
-  seed: int = 0
 
   @property
   def name(self) -> str:
-    return run_name(self.family, self.budget, self.seed, self.config.optimizer.learning_rate)
+    return run_name(self.family, self.budget, self.config.seed,
+                    self.config.optimizer.learning_rate)
 
   @property
   def tokens_per_step(self) -> int:
@@ -335,9 +336,9 @@ def plan(family: str, budget: float, args, seed: int = 0,
                  "eval_every": max(1, steps // 8), "checkpoint_every": max(1, steps // 4)})
   flags = _flags(fields, args)
   config = _config(flags)
-  name = run_name(family, budget, seed, config.optimizer.learning_rate)
+  name = run_name(family, budget, config.seed, config.optimizer.learning_rate)
   return Run(family, budget, os.path.join(args.out, "runs", name), flags, config,
-             model_lib.count_params(cfg), per_token, seed)
+             model_lib.count_params(cfg), per_token)
 
 
 def _identity_file(run: Run) -> str:
@@ -346,7 +347,7 @@ def _identity_file(run: Run) -> str:
 
 def _identity(run: Run) -> dict:
   """What a run's folder name stands for, beyond the family and budget."""
-  return {"seed": run.seed, "learning_rate": run.config.optimizer.learning_rate}
+  return {"seed": run.config.seed, "learning_rate": run.config.optimizer.learning_rate}
 
 
 def check_identities(runs: list[Run]) -> None:
@@ -472,7 +473,7 @@ def summarize(run: Run, train_bytes: int) -> dict:
   warm = sum(1 for step, _ in train if step <= run.config.optimizer.warmup_steps)
   spike = spike_ratio([loss for _, loss in train], warm) if train else None
   return {
-      "family": run.family, "budget": run.budget, "seed": run.seed,
+      "family": run.family, "budget": run.budget, "seed": run.config.seed,
       "learning_rate": run.config.optimizer.learning_rate, "flops": run.flops,
       "width": run.config.model.width, "depth": run.config.model.num_layers,
       "params": run.params, "tokens": run.tokens_per_step * run.config.total_steps,
