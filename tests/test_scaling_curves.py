@@ -191,7 +191,7 @@ def test_runs_stop_at_the_time_limit_resume_and_are_reported(tmp_path):
       ("hawk", steps, steps), ("hawk", total, total)]
   assert all(r["held_out_loss"] > 0 and r["spike_ratio"] >= 1 for r in rows)
   table = (out / "scaling_curves.md").read_text()
-  assert table.count("\n| hawk | ") == 2 and f"| hawk | {large} | 0.001 | 0 | 32 x 3 |" in table
+  assert table.count("\n| hawk | ") == 2 and f"| hawk | {large} | 0.003 | 0 | 32 x 3 |" in table
   assert "- hawk: " in table and "Order at each budget" in table
   assert (out / "scaling_curves.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -262,8 +262,8 @@ def test_findings_compare_each_family_at_its_best_learning_rate():
   assert ("- 1e15: mqa 0.001 0.9100, 0.003 0.8550*; griffin 0.001 0.8850*, 0.003 -" in text)
   assert ("- 1e15: mqa 0.8550 (0.8500-0.8600) < griffin 0.8850 (0.8800-0.8900); Griffin at or "
           "below MQA: no (with the same seed: 0 of 2)") in text
-  assert scaling.run_name("mqa", 1e15, 0, 1e-3) == "mqa_1e15"
-  assert scaling.run_name("mqa", 1e15, 2, 3e-3) == "mqa_1e15_lr0.003_s2"
+  assert scaling.run_name("mqa", 1e15, 0, 3e-3) == "mqa_1e15"  # the recipe's rate
+  assert scaling.run_name("mqa", 1e15, 2, 1e-3) == "mqa_1e15_lr0.001_s2"
 
 
 def test_config_seed_and_learning_rate_are_refused_for_their_options():
@@ -288,3 +288,27 @@ def test_a_folder_of_another_seed_or_rate_is_refused(tmp_path):
     json.dump({"seed": 0, "learning_rate": 3e-3}, f)
   with pytest.raises(SystemExit, match="use another --out"):
     scaling.check_identities([run])
+
+
+def test_a_folder_without_run_json_is_checked_by_its_logged_learning_rates(tmp_path):
+  # Folders from before run.json: a 1e-3 run of the old recipe, named as today's 3e-3 one.
+  args = argparse.Namespace(out=str(tmp_path), config_overrides=[])
+  run = scaling.plan("mqa", 1e15, args)
+  warmup, peak = run.config.optimizer.warmup_steps, run.config.optimizer.learning_rate
+  assert peak == 3e-3
+  os.makedirs(run.workdir)
+
+  def logged(rates_by_step):
+    with open(os.path.join(run.workdir, "metrics.jsonl"), "w") as f:
+      for step, rate in rates_by_step:
+        f.write(json.dumps({"step": step, "loss": 1.0, "lr": rate}) + "\n")
+
+  ramp = [(s, 1e-3 * min(1, s / warmup)) for s in range(10, 2 * warmup, 10)]
+  logged(ramp)
+  with pytest.raises(SystemExit, match="logged a learning rate of at most 0.001, not the "
+                                       "planned peak 0.003"):
+    scaling.check_identities([run])
+  logged([(s, 3 * rate) for s, rate in ramp])  # the planned rate: passes
+  scaling.check_identities([run])
+  logged([(s, rate) for s, rate in ramp if s < warmup])  # stopped in its warm-up: unknown
+  scaling.check_identities([run])
