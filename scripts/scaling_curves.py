@@ -59,6 +59,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 # This process only counts parameters and FLOPs from shapes; the accelerator is the runs'.
@@ -81,13 +83,13 @@ DEPTH = 6  # a multiple of 3: Griffin's blocks are (R, R, A) twice
 HEAD_DIM = 64
 WIDTHS = tuple(range(128, 1025, 64))
 TOKENS_PER_PARAM = 20  # Chinchilla, as the paper's Table 2 (1.9B tokens at 100M, 300B at 14B)
-# The recipe, the same for every family and budget (but the rates of --learning_rates); docs/scaling_curves.md says what changed
-# from the paper's.
+# The recipe, the same for every family and budget (but the rates of --learning_rates);
+# docs/scaling_curves.md says what changed from the paper's.
 RECIPE = {
     "seq_len": 512,
     "batch_size": 64,
-    # --learning_rates tries others; 3e-3 beat 1e-3 for every family at every budget tried on
-    # an H200 (2026-11-29, docs/scaling_curves.md), and 1e-3 was the rate until then.
+    # --learning_rates tries others; 3e-3 beat 1e-3 for every family at every budget tried
+    # on an H200 (2026-11-29, docs/scaling_curves.md); 1e-3 was the rate until then.
     "optimizer.learning_rate": 3e-3,
     "optimizer.schedule": "cosine",
     "optimizer.final_lr_fraction": 0.1,
@@ -352,21 +354,27 @@ def _identity(run: Run) -> dict:
   return {"seed": run.config.seed, "learning_rate": run.config.optimizer.learning_rate}
 
 
-def _logged_peak_rate(run: Run) -> float | None:
-  """The highest learning rate a run's ``metrics.jsonl`` logged (None: none logged after the
-  warm-up's end, where the schedule peaks)."""
+def _logged_rate_differs(run: Run) -> tuple[int, float, float] | None:
+  """The first ``(step, logged, planned)`` where the learning rate a run's ``metrics.jsonl``
+  logged is not its planned schedule's (a record at step s logs the rate step s trained with,
+  the schedule at s - 1); None when every logged rate agrees, or none was logged."""
   logged = [(r["step"], r["lr"]) for r in train_lib.read_metrics(run.workdir) if "lr" in r]
-  if not any(step >= run.config.optimizer.warmup_steps for step, _ in logged):
+  if not logged:
     return None
-  return max(rate for _, rate in logged)
+  _, schedule = train_lib.make_optimizer(run.config.optimizer, run.config.total_steps)
+  planned = np.asarray(schedule(np.array([step - 1 for step, _ in logged])), np.float64)
+  for (step, rate), want in zip(logged, planned):
+    if abs(rate - want) > 1e-4 * abs(want) + 1e-12:  # float32 rounding is about 1e-7
+      return step, rate, float(want)
+  return None
 
 
 def check_identities(runs: list[Run]) -> None:
   """Stops (exit 1) when a planned run's folder holds a run of another seed or learning rate
   (``run.json``, written at its first start). A folder from before ``run.json`` was written is
-  checked by the learning rates its metrics logged: their highest, logged within a few steps
-  of the warm-up's end, must be within 10% below the planned peak (the recipe's rate was 1e-3
-  until 2026-11-29: such a folder named without ``_lr`` holds a 1e-3 run)."""
+  checked by its learning rate alone: the rates its metrics logged must be the planned
+  schedule's (the recipe's rate was 1e-3 until 2026-11-29: such a folder named without ``_lr``
+  holds a 1e-3 run)."""
   for run in runs:
     if os.path.exists(_identity_file(run)):
       with open(_identity_file(run)) as f:
@@ -374,11 +382,11 @@ def check_identities(runs: list[Run]) -> None:
       if saved != _identity(run):
         sys.exit(f"error: {run.workdir} holds a run with {saved} (its run.json), not the "
                  f"planned {_identity(run)}; use another --out")
-    elif (peak := _logged_peak_rate(run)) is not None:
-      planned = run.config.optimizer.learning_rate
-      if not 0.9 * planned <= peak <= planned * (1 + 1e-6):
-        sys.exit(f"error: {run.workdir} holds a run whose metrics.jsonl logged a learning rate "
-                 f"of at most {peak:.3g}, not the planned peak {planned:g}; use another --out")
+    elif (differs := _logged_rate_differs(run)) is not None:
+      step, rate, want = differs
+      sys.exit(f"error: {run.workdir} holds a run of another learning rate: its metrics.jsonl "
+               f"logged {rate:.4g} at step {step}, where the planned peak "
+               f"{run.config.optimizer.learning_rate:g} gives {want:.4g}; use another --out")
 
 
 def finished(run: Run) -> bool:
@@ -533,7 +541,7 @@ def table(rows: list[dict]) -> str:
 
 
 def _rate(row: dict) -> float:
-  return row.get("learning_rate", RECIPE["optimizer.learning_rate"])
+  return row.get("learning_rate", 1e-3)  # rows written before rates were recorded: all 1e-3
 
 
 def mean_losses(rows: list[dict], key=lambda r: (r["family"], r["budget"])) -> dict:

@@ -9,6 +9,8 @@ import re
 import shutil
 import time
 
+import ml_collections
+import numpy as np
 import pytest
 
 from helpers import run_script
@@ -294,21 +296,26 @@ def test_a_folder_without_run_json_is_checked_by_its_logged_learning_rates(tmp_p
   # Folders from before run.json: a 1e-3 run of the old recipe, named as today's 3e-3 one.
   args = argparse.Namespace(out=str(tmp_path), config_overrides=[])
   run = scaling.plan("mqa", 1e15, args)
-  warmup, peak = run.config.optimizer.warmup_steps, run.config.optimizer.learning_rate
-  assert peak == 3e-3
+  warmup = run.config.optimizer.warmup_steps
+  assert run.config.optimizer.learning_rate == 3e-3 and warmup > 10
   os.makedirs(run.workdir)
 
-  def logged(rates_by_step):
+  def log(peak, last_step, every=10):  # as train.py logs: step s trained at schedule(s - 1)
+    opt = dict(run.config.optimizer.to_dict(), learning_rate=peak)
+    _, schedule = scaling.train_lib.make_optimizer(ml_collections.ConfigDict(opt),
+                                                   run.config.total_steps)
     with open(os.path.join(run.workdir, "metrics.jsonl"), "w") as f:
-      for step, rate in rates_by_step:
+      for step in sorted({*range(every, last_step + 1, every), last_step}):
+        rate = float(np.float32(schedule(step - 1)))
         f.write(json.dumps({"step": step, "loss": 1.0, "lr": rate}) + "\n")
 
-  ramp = [(s, 1e-3 * min(1, s / warmup)) for s in range(10, 2 * warmup, 10)]
-  logged(ramp)
-  with pytest.raises(SystemExit, match="logged a learning rate of at most 0.001, not the "
-                                       "planned peak 0.003"):
+  for last_step in (warmup // 2, warmup, warmup + 1, run.config.total_steps):
+    log(1e-3, last_step)  # stopped in its warm-up, at its end, just after, finished
+    with pytest.raises(SystemExit, match=r"another learning rate: its metrics.jsonl logged "
+                                         r"\S+ at step 10, where the planned peak 0.003"):
+      scaling.check_identities([run])
+    log(3e-3, last_step)  # the planned rate: passes
     scaling.check_identities([run])
-  logged([(s, 3 * rate) for s, rate in ramp])  # the planned rate: passes
-  scaling.check_identities([run])
-  logged([(s, rate) for s, rate in ramp if s < warmup])  # stopped in its warm-up: unknown
-  scaling.check_identities([run])
+  log(3e-3 * 1.001, warmup)  # 0.1% off is another rate
+  with pytest.raises(SystemExit, match="another learning rate"):
+    scaling.check_identities([run])
