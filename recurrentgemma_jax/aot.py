@@ -707,3 +707,38 @@ def checkpoint_model(path: str, device, **overrides) -> CheckpointModel:
   state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                        state)
   return CheckpointModel(path, cfg, meta, graphdef, state, sharding)
+
+
+# -- decoding on one chip ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class SamplingProgram:
+  """``sampling.sample``'s prefill and decoding loop compiled for one device."""
+
+  program: Program
+  batch: int
+  new_tokens: int
+  parameters: int
+
+
+def compile_sampling(model_cfg, device, batch: int, new_tokens: int) -> SamplingProgram:
+  """Compiles ``sampling.sample`` for ``batch`` one-token prompts and ``new_tokens`` greedy
+  tokens on ``device`` (real or compile-only: abstract weights, nothing is allocated), the
+  weights replicated, as in serving one model copy per chip."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+  from recurrentgemma_jax import model as model_lib, sampling  # pylint: disable=g-import-not-at-top
+  from sharding import partitioning  # pylint: disable=g-import-not-at-top
+  mesh = jax.sharding.Mesh(np.asarray([device]).reshape(1, 1),
+                           (partitioning.DATA, partitioning.MODEL))
+  replicated = NamedSharding(mesh, PartitionSpec())
+  with jax.set_mesh(mesh):
+    abstract = nnx.eval_shape(lambda: model_lib.init_model(model_cfg, seed=0))
+    parameters = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    graphdef, state = nnx.split(abstract)
+    state = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), state)
+    lowered, _ = sampling.lower_sample(graphdef, state, [[3]] * batch,
+                                       sampling.SamplingParams(max_new_tokens=new_tokens))
+    return SamplingProgram(_compile(lowered), batch, new_tokens, parameters)

@@ -127,3 +127,33 @@ def test_search_finds_a_setting_that_fits_when_applied(tmp_path):  # four compil
   applied = tmp_path / "applied.json"
   run_script("compile_tpu.py", "--topology", "v5e-4", *hawk, limit, *flags, f"--json={applied}")
   assert json.loads(applied.read_text())["bytes"] == report["bytes"]
+
+
+def test_decode_plan_finds_each_familys_largest_batch_on_one_chip(tmp_path):
+  """scripts/bench/plan_decode_tpu.py: sampling compiled for a v5e chip at doubling batches
+  until one does not fit (here a 30 MiB budget, which tiny MQA's KV cache outgrows at 2048
+  rows and Hawk's state does not), each family's largest batch with its roofline."""
+  out = tmp_path / "plan.json"
+  proc = run_script("bench/plan_decode_tpu.py", "--tiny", "--families=mqa,hawk",
+                    "--vocab_size=512", "--new_tokens=64", "--min_batch=512",
+                    "--max_batch=2048", "--hbm_gib=0.03", f"--json={out}")
+  plan = json.loads(out.read_text())
+  limit = plan["hbm_limit"]
+  assert plan["device_kind"] == "TPU v5 lite" and limit == int(0.03 * 2**30)
+  mqa, hawk = plan["rows"]
+  assert mqa["batch"] == 1024 and mqa["hbm_bytes"] <= limit < mqa["next"]["hbm_bytes"]
+  assert mqa["next"]["batch"] == 2048 and mqa["bound"] == "memory"
+  assert hawk["batch"] == 2048 and hawk["hbm_bytes"] <= limit and hawk["next"] is None
+  for row in (mqa, hawk):  # the roofline: the larger of the step's FLOPs and bytes
+    seconds = 64 * max(row["flops_per_step"] / 197e12, row["bytes_per_step"] / 819e9)
+    assert row["tokens_per_s"] == pytest.approx(row["batch"] * 64 / seconds, rel=0.05)
+  assert "| mqa | 1024 |" in proc.stdout and "| hawk | 2048 |" in proc.stdout
+  ratio = hawk["tokens_per_s"] / mqa["tokens_per_s"]
+  assert f"| {ratio:.2f} |" in proc.stdout and ratio > 1
+
+
+def test_decode_plan_takes_one_chip_only():
+  proc = run_script("bench/plan_decode_tpu.py", "--topology=v5e-4", check=False)
+  assert proc.returncode == 2 and "--topology v5e-4: one chip (v5e-1 or v6e-1)" in proc.stderr
+  proc = run_script("bench/plan_decode_tpu.py", "--topology=v9-1", check=False)
+  assert proc.returncode == 2 and "not a Cloud TPU slice name" in proc.stderr
