@@ -712,17 +712,7 @@ def checkpoint_model(path: str, device, **overrides) -> CheckpointModel:
 # -- decoding on one chip ------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class SamplingProgram:
-  """``sampling.sample``'s prefill and decoding loop compiled for one device."""
-
-  program: Program
-  batch: int
-  new_tokens: int
-  parameters: int
-
-
-def compile_sampling(model_cfg, device, batch: int, new_tokens: int) -> SamplingProgram:
+def compile_sampling(model_cfg, device, batch: int, new_tokens: int) -> Program:
   """Compiles ``sampling.sample`` for ``batch`` one-token prompts and ``new_tokens`` greedy
   tokens on ``device`` (real or compile-only: abstract weights, nothing is allocated), the
   weights replicated, as in serving one model copy per chip."""
@@ -734,11 +724,9 @@ def compile_sampling(model_cfg, device, batch: int, new_tokens: int) -> Sampling
                            (partitioning.DATA, partitioning.MODEL))
   replicated = NamedSharding(mesh, PartitionSpec())
   with jax.set_mesh(mesh):
-    abstract = nnx.eval_shape(lambda: model_lib.init_model(model_cfg, seed=0))
-    parameters = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
-    graphdef, state = nnx.split(abstract)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: model_lib.init_model(model_cfg, seed=0)))
     state = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), state)
     lowered, _ = sampling.lower_sample(graphdef, state, [[3]] * batch,
                                        sampling.SamplingParams(max_new_tokens=new_tokens))
-    return SamplingProgram(_compile(lowered), batch, new_tokens, parameters)
+    return _compile(lowered)

@@ -160,9 +160,9 @@ def main():
   print(write(results))
 
 
-def build_model(family: str, size: str, vocab_size: int, tiny: bool = False, **overrides):
-  """A randomly initialised preset model (bfloat16 weights and compute); ``tiny``: a few
-  thousand parameters of the same family, for a CPU check; ``overrides``: ModelConfig fields
+def model_config(family: str, size: str, vocab_size: int, tiny: bool = False, **overrides):
+  """A preset's ModelConfig with bfloat16 weights and compute; ``tiny``: a few thousand
+  parameters of the same family, for a CPU check; ``overrides``: ModelConfig fields
   (``decode_impl``, ``mlp_impl``)."""
   from recurrentgemma_jax import model as model_lib  # pylint: disable=g-import-not-at-top
   from recurrentgemma_jax import presets  # pylint: disable=g-import-not-at-top
@@ -170,9 +170,14 @@ def build_model(family: str, size: str, vocab_size: int, tiny: bool = False, **o
   if tiny:
     fields.update(width=64, lru_width=64, num_layers=3, num_heads=2, num_gate_blocks=2,
                   mlp_expanded_width=128, attention_window_size=16)
-  cfg = model_lib.ModelConfig(vocab_size=vocab_size, dtype="bfloat16", param_dtype="bfloat16",
-                              **fields, **overrides)
-  return model_lib.init_model(cfg, seed=0)
+  return model_lib.ModelConfig(vocab_size=vocab_size, dtype="bfloat16", param_dtype="bfloat16",
+                               **fields, **overrides)
+
+
+def build_model(family: str, size: str, vocab_size: int, tiny: bool = False, **overrides):
+  """A randomly initialised :func:`model_config` model."""
+  from recurrentgemma_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  return model_lib.init_model(model_config(family, size, vocab_size, tiny, **overrides), seed=0)
 
 
 class OverBudget(Exception):

@@ -46,7 +46,7 @@ def main():
     parser.error("--new_tokens and --min_batch must be at least 1, --max_batch at least "
                  "--min_batch")
 
-  from recurrentgemma_jax import aot, presets  # pylint: disable=g-import-not-at-top
+  from recurrentgemma_jax import aot  # pylint: disable=g-import-not-at-top
   from recurrentgemma_jax import model as model_lib  # pylint: disable=g-import-not-at-top
   from recurrentgemma_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
   import bench_decode  # pylint: disable=g-import-not-at-top
@@ -54,7 +54,8 @@ def main():
   try:
     tpu = aot.parse_slice(args.topology)
     families = args.families.split(",")
-    fields = {f: presets.preset(f, args.size) for f in families}
+    configs = {f: bench_decode.model_config(f, args.size, args.vocab_size, args.tiny)
+               for f in families}
   except (ConfigError, KeyError) as e:
     parser.error(str(e).strip("'\""))
   if tpu.chips != 1:
@@ -73,16 +74,10 @@ def main():
 
   rows = []
   for family in families:
-    model_fields = fields[family]
-    if args.tiny:
-      model_fields.update(width=64, lru_width=64, num_layers=3, num_heads=2, num_gate_blocks=2,
-                          mlp_expanded_width=128, attention_window_size=16)
-    cfg = model_lib.ModelConfig(vocab_size=args.vocab_size, dtype="bfloat16",
-                                param_dtype="bfloat16", **model_fields)
+    cfg = configs[family]
     best, over, batch = None, None, args.min_batch
     while batch <= args.max_batch:
-      result = aot.compile_sampling(cfg, device, batch, args.new_tokens)
-      program = result.program
+      program = aot.compile_sampling(cfg, device, batch, args.new_tokens)
       if program.compiled is None and not program.out_of_memory:
         print(f"error: {family} at batch {batch} did not compile: {program.error}",
               file=sys.stderr)
@@ -92,14 +87,16 @@ def main():
       if not program.fits(limit):
         over = dict(batch=batch, hbm_bytes=program.memory.total or None)
         break
-      best, batch = result, 2 * batch
+      best, batch = (batch, program), 2 * batch
     row = dict(family=family, parameters=None, batch=None, hbm_bytes=None, next=over)
     if best is not None:
-      floor = bench_decode.decode_floor(cfg, best.parameters, best.batch, 1, args.new_tokens,
+      rows_fitting, program = best
+      parameters = model_lib.count_params(cfg)
+      floor = bench_decode.decode_floor(cfg, parameters, rows_fitting, 1, args.new_tokens,
                                         chip.peak_flops, chip.hbm_bandwidth)
-      row.update(parameters=best.parameters, batch=best.batch,
-                 hbm_bytes=best.program.memory.total, memory=best.program.memory.as_dict(),
-                 tokens_per_s=best.batch * args.new_tokens / floor["floor_s"],
+      row.update(parameters=parameters, batch=rows_fitting, hbm_bytes=program.memory.total,
+                 memory=program.memory.as_dict(),
+                 tokens_per_s=rows_fitting * args.new_tokens / floor["floor_s"],
                  bound=floor["bound"], flops_per_step=floor["flops_per_step"],
                  bytes_per_step=floor["bytes_per_step"])
     rows.append(row)
