@@ -16,7 +16,7 @@ GRIFFIN = ["--config.model.width=64", "--config.model.lru_width=64",
            "--config.model.num_gate_blocks=2", "--config.model.mlp_expanded_width=128",
            "--config.model.attention_window_size=64", "--config.seq_len=128"]
 # Two recurrent blocks and an 8k vocabulary: on v5e-4 (16 rows of 512 per chip) the training
-# step takes ~363 MiB per chip, ~157 MiB in 2 micro-batches, ~19 MiB in 16; evaluation ~265.
+# step takes ~341 MiB per chip, ~147 MiB in 2 micro-batches, ~43 MiB in 16; evaluation ~263.
 HAWK = ["--config.model.family=hawk", "--config.model.width=64", "--config.model.lru_width=64",
         "--config.model.num_layers=2", "--config.model.num_gate_blocks=2",
         "--config.model.mlp_expanded_width=128", "--config.model.vocab_size=8192",
