@@ -163,8 +163,9 @@ def test_decode_plan_takes_one_chip_only():
 def test_tpu_memory_is_the_compilers_peak():
   """libtpu's ``temp_size_in_bytes`` counts more than is ever live at once: sampling from a
   2-layer MQA 1.3B at 3072 rows reports about 22 GiB of temporaries on a v5e-1, yet compiles
-  within the chip's 15.75 GiB (the compiler refuses a program over it, as the test above
-  shows). ``aot.Memory.of`` takes the compiler's peak there, and the program fits."""
+  within the chip's 15.75 GiB (the compiler refuses a program over it:
+  test_a_config_that_does_not_fit_exits_1_with_one_line). ``aot.Memory.of`` takes the
+  compiler's peak there, and the program fits."""
   fields = {**presets.preset("mqa", "1.3b"), "num_layers": 2}
   cfg = model_lib.ModelConfig(vocab_size=256000, dtype="bfloat16", param_dtype="bfloat16",
                               **fields)
