@@ -1,6 +1,8 @@
 """Tests run on the CPU; several simulated devices for the sharding tests."""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The collectives of the 8 simulated devices meet in a rendezvous that XLA aborts the process
@@ -14,6 +16,21 @@ os.environ.setdefault("XLA_FLAGS", " ".join([
     "--xla_cpu_collective_timeout_seconds=300"]))
 # libtpu (compile-only TPU devices) takes a lock per process; xdist runs several.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# JAX's persistent compilation cache, new for each test run and shared by its xdist workers
+# (which inherit this process' environment) and the scripts the tests start: a program compiled
+# again, by another test or after jax.clear_caches(), is loaded instead (the suite about a
+# sixth faster on 2 cores). Programs that compile in under half a second are not written.
+# A cache directory set by the caller is theirs: used, and kept.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"recurrentgemma_jax_tests_xla_cache_{os.getpid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+
+def pytest_sessionfinish(session):
+  del session
+  if _OWN_CACHE:  # the run's own process (an xdist worker inherits the variable)
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items):

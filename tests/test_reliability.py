@@ -35,7 +35,10 @@ def compile_cache(tmp_path_factory):
 
 
 def env(cache=None):
-  e = script_env()
+  """A script's environment; with ``cache``, this module's compilation cache, else none (not
+  even the suite's: conftest.py)."""
+  e = {k: v for k, v in script_env().items() if not k.startswith(("JAX_COMPILATION_CACHE",
+                                                                    "JAX_PERSISTENT_CACHE"))}
   if cache:
     e.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
