@@ -4,14 +4,17 @@ import os
 import shutil
 import tempfile
 
+from helpers import FAST_COMPILE
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The collectives of the 8 simulated devices meet in a rendezvous that XLA aborts the process
 # after 40 s by default; two test workers on two cores can leave a device's thread that long
-# without a core, so the limit is raised. (Not helpers.FAST_COMPILE here: with fewer backend
-# optimisations a sharded evaluation's all-reduces over the two mesh axes deadlocked, device 4
-# never joining either, in 3 of 3 full runs on 2 cores; the scripts the tests start use it.)
+# without a core, so the limit is raised. FAST_COMPILE as in the scripts the tests start: the
+# suite took 1466 s with it against 1698 s without (2 cores, 2026-12-02). (It was left out here
+# while a sharded evaluation's all-reduces deadlocked with it, before CPU meshes evaluated one
+# batch at a time and scripts started without libtpu's variables: docs/reliability.md.)
 os.environ.setdefault("XLA_FLAGS", " ".join([
-    "--xla_force_host_platform_device_count=8",
+    "--xla_force_host_platform_device_count=8", FAST_COMPILE,
     "--xla_cpu_collective_call_terminate_timeout_seconds=300",
     "--xla_cpu_collective_timeout_seconds=300"]))
 # libtpu (compile-only TPU devices) takes a lock per process; xdist runs several.
