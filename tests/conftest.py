@@ -10,9 +10,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The collectives of the 8 simulated devices meet in a rendezvous that XLA aborts the process
 # after 40 s by default; two test workers on two cores can leave a device's thread that long
 # without a core, so the limit is raised. FAST_COMPILE as in the scripts the tests start: the
-# suite took 1466 and 1342 s with it against 1698 s without (2 cores, 2026-12-02). (It was left out here
-# while a sharded evaluation's all-reduces deadlocked with it, before CPU meshes evaluated one
-# batch at a time and scripts started without libtpu's variables: docs/reliability.md.)
+# suite took 1466 and 1342 s with it against 1698 s without (2 cores, 2026-12-02). (It was
+# left out here while a sharded evaluation's all-reduces deadlocked with it, before CPU meshes
+# evaluated one batch at a time and scripts started without libtpu's variables:
+# docs/reliability.md.)
 os.environ.setdefault("XLA_FLAGS", " ".join([
     "--xla_force_host_platform_device_count=8", FAST_COMPILE,
     "--xla_cpu_collective_call_terminate_timeout_seconds=300",
