@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import difflib
 import importlib.util
+import math
 import os
 
 import ml_collections
@@ -96,9 +97,21 @@ def load(spec: str) -> ml_collections.ConfigDict:
   if not hasattr(module, "get_config"):
     raise ConfigError(f"--config {path!r} defines no get_config(arg=None)")
   try:
-    return module.get_config(arg or None)
+    config = module.get_config(arg or None)
   except (KeyError, ValueError, ConfigError) as e:
     raise ConfigError(f"--config {spec!r}: {e.args[0] if e.args else e}") from None
+  except Exception as e:  # pylint: disable=broad-except  (user code, e.g. c.modle.width)
+    raise ConfigError(f"--config {spec!r}: get_config failed: {type(e).__name__}: {e}"
+                      ) from None
+  # A field the base does not have is a typo that would otherwise be silently unused.
+  known = set(_all_fields(base_config()))
+  unknown = sorted(set(_all_fields(config)) - known)
+  if unknown:
+    guess = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+    hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+    more = f" and {len(unknown) - 1} more" if unknown[1:] else ""
+    raise ConfigError(f"--config {spec!r} sets unknown field {unknown[0]!r}{hint}{more}")
+  return config
 
 
 def override(config: ml_collections.ConfigDict, assignments: list[str]) -> None:
@@ -148,9 +161,9 @@ def _parse(key: str, raw: str, old):
   try:
     if isinstance(old, bool):
       lowered = raw.lower()
-      if lowered not in ("true", "false", "1", "0"):
+      if lowered not in _TRUE + _FALSE:
         raise ValueError
-      return lowered in ("true", "1")
+      return lowered in _TRUE
     if isinstance(old, int):
       return int(raw)
     if isinstance(old, float):
@@ -160,7 +173,11 @@ def _parse(key: str, raw: str, old):
     return ast.literal_eval(raw)
   except (ValueError, SyntaxError):
     kind = type(old).__name__
-    raise ConfigError(f"--config.{key}={raw!r} is not a valid {kind}") from None
+    allowed = f" ({'|'.join(_TRUE + _FALSE)})" if isinstance(old, bool) else ""
+    raise ConfigError(f"--config.{key}={raw!r} is not a valid {kind}{allowed}") from None
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
 def validate(config: ml_collections.ConfigDict, *, process_count: int = 1,
@@ -175,23 +192,30 @@ def validate(config: ml_collections.ConfigDict, *, process_count: int = 1,
   # (batch_size and seq_len are checked with the data fields)
   for name in ("total_steps", "log_every", "checkpoint_every", "keep_checkpoints"):
     positive(name, config[name])
+  if not isinstance(config.seed, int) or not 0 <= config.seed < 2**32:
+    errors.append(f"seed={config.seed!r} must be an integer in [0, 2**32)")
   if not isinstance(config.eval_every, int) or config.eval_every < 0:
     errors.append(f"eval_every={config.eval_every!r} must be >= 0 (0: only at the end)")
   if config.zero not in (0, 1, 3):
     errors.append(f"zero={config.zero!r} is not one of 0|1|3")
-  if not config.memory_limit_gib >= 0:
+  if not 0 <= config.memory_limit_gib < math.inf:
     errors.append(f"memory_limit_gib={config.memory_limit_gib} must be >= 0 (0: the device's)")
   opt = config.optimizer
-  if not opt.learning_rate > 0:
+  # Written so that NaN fails them too (every comparison with NaN is false).
+  if not 0 < opt.learning_rate < math.inf:
     errors.append(f"optimizer.learning_rate={opt.learning_rate} must be > 0")
-  if opt.warmup_steps < 0:
-    errors.append(f"optimizer.warmup_steps={opt.warmup_steps} must be >= 0")
+  if not isinstance(opt.warmup_steps, int) or opt.warmup_steps < 0:
+    errors.append(f"optimizer.warmup_steps={opt.warmup_steps!r} must be an integer >= 0")
   if opt.schedule not in SCHEDULES:
     errors.append(f"optimizer.schedule={opt.schedule!r} is not one of {'|'.join(SCHEDULES)}")
   if not 0 <= opt.final_lr_fraction <= 1:
     errors.append(f"optimizer.final_lr_fraction={opt.final_lr_fraction} must be in [0, 1]")
-  if opt.weight_decay < 0 or opt.grad_clip_norm < 0:
-    errors.append("optimizer.weight_decay and optimizer.grad_clip_norm must be >= 0")
+  for name in ("b1", "b2"):
+    if not 0 <= opt[name] < 1:
+      errors.append(f"optimizer.{name}={opt[name]} must be in [0, 1)")
+  for name in ("eps", "weight_decay", "grad_clip_norm"):
+    if not 0 <= opt[name] < math.inf:
+      errors.append(f"optimizer.{name}={opt[name]} must be >= 0 and finite")
   positive("optimizer.grad_accum_steps", opt.grad_accum_steps)
   local_rows = config.batch_size // process_count if isinstance(config.batch_size, int) else 0
   if local_rows > 0 and opt.grad_accum_steps > 0 and local_rows % opt.grad_accum_steps:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from typing import Any
 
 import jax
@@ -43,6 +44,14 @@ FAMILY_PATTERNS = {
     "griffin": ("recurrent", "recurrent", "attention"),
     "hawk": ("recurrent",),
     "mqa": ("global_attention",),
+    "gla": ("gla",),
+}
+# The block types a model of each family may list in ``block_types`` (Griffin: any mix of
+# recurrent and attention blocks, e.g. the synthetic tasks' Hawk and MQA baselines).
+FAMILY_BLOCKS = {
+    "griffin": ("recurrent", "attention", "global_attention"),
+    "hawk": ("recurrent",),
+    "mqa": ("attention", "global_attention"),
     "gla": ("gla",),
 }
 
@@ -295,6 +304,23 @@ class ModelConfig:
     bad = [t for t in types if t not in BLOCK_TYPES]
     if bad:
       out.append(f"model.block_types has {bad[0]!r}; allowed: {'|'.join(BLOCK_TYPES)}")
+    elif self.block_types is not None:
+      # The family names the model (logs, checkpoints, export); its blocks must agree.
+      foreign = [t for t in types if t not in FAMILY_BLOCKS[self.family]]
+      if foreign:
+        out.append(f"model.block_types has {foreign[0]!r}, which a {self.family} model does not "
+                   f"have ({'|'.join(FAMILY_BLOCKS[self.family])}); set model.family to match, "
+                   "or model.block_types='' to take the blocks from model.family")
+    sizes = {"mlp_expanded_width": self.resolved_mlp_width}
+    if "recurrent" in types:
+      sizes["num_gate_blocks"] = self.resolved_gate_blocks
+    if "gla" in types:
+      sizes.update(gla_num_heads=self.gla_num_heads or self.num_heads,
+                   gla_gate_rank=self.gla_gate_rank, gla_chunk_size=self.gla_chunk_size)
+    out += [f"model.{name}={value} must be a positive integer"
+            for name, value in sizes.items() if value <= 0]
+    if out:
+      return out
     if self.block_types is not None and len(types) != self.num_layers:
       out.append(f"model.block_types has {len(types)} entries but model.num_layers="
                  f"{self.num_layers}")
@@ -348,7 +374,7 @@ class ModelConfig:
     if not 0.0 < self.rg_lru_min_ac < self.rg_lru_max_ac < 1.0:
       out.append(f"model.rg_lru_min_ac={self.rg_lru_min_ac} and model.rg_lru_max_ac="
                  f"{self.rg_lru_max_ac} must satisfy 0 < min < max < 1")
-    if self.logits_soft_cap < 0:
+    if not 0 <= self.logits_soft_cap < math.inf:
       out.append(f"model.logits_soft_cap={self.logits_soft_cap} must be >= 0 (0 disables it)")
     if self.loss_impl == "pallas" and not loss_kernels.supported(self.vocab_size):
       out.append(f"model.loss_impl='pallas' needs a model.vocab_size that is a multiple of 16, "

@@ -584,6 +584,7 @@ def _one_run_per_workdir(workdir: str, log):
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains (or resumes) according to ``config``; returns the last logged metrics."""
   distributed.initialize()
+  workdir_lib.check(workdir)
   configlib.validate(config, process_count=jax.process_count(), device_count=jax.device_count())
   plan = setup(config)
   log = print if jax.process_index() == 0 else (lambda *_: None)
@@ -593,6 +594,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   try:
     with _one_run_per_workdir(workdir, log):
       resume = check_resume(config, plan, workdir)
+      if resume and resume[0] > config.total_steps:
+        raise ConfigError(
+            f"total_steps={config.total_steps} is below step {resume[0]}, the latest checkpoint "
+            f"in --workdir {workdir}; raise total_steps to train on, or use a new --workdir")
       if resume and resume[1]:
         log(f"resuming step {resume[0]} with changed settings: {'; '.join(resume[1])}")
       return _train(config, workdir, plan, log, stop)
@@ -642,6 +647,42 @@ class _Stop:
       signal.signal(signal.SIGTERM, self.previous)
 
 
+def all_finite(state) -> jax.Array:
+  """Whether every floating-point array of ``state`` is free of NaN and inf."""
+  leaves = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def shared_data_state(state: dict, shard: tuple[int, int]) -> dict:
+  """What a checkpoint keeps of the data position: each data shard's iterator state (each
+  reads its own documents, so each has its own), gathered to every process, as one process
+  writes the checkpoint's JSON items."""
+  index, count = shard
+  states = {index: state}
+  if jax.process_count() > 1:
+    encoded = np.frombuffer(json.dumps([index, state]).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.int32(encoded.size))
+    padded = np.zeros(int(np.max(sizes)), np.uint8)
+    padded[:encoded.size] = encoded
+    rows = multihost_utils.process_allgather(padded)
+    states = dict(json.loads(bytes(row[:size])) for row, size in zip(rows, sizes))
+  return {"shard_count": count, "shards": {str(i): states[i] for i in sorted(states)}}
+
+
+def own_data_state(saved: dict, shard: tuple[int, int], log) -> dict | None:
+  """This data shard's iterator state from a checkpoint's, or None (with a warning) when the
+  checkpoint was written by a run with another number of data shards."""
+  index, count = shard
+  if "shards" not in saved:  # written before 2026-12-02: one iterator state, process 0's
+    saved = {"shard_count": 1, "shards": {"0": saved}}
+  if saved["shard_count"] != count:
+    log(f"WARNING: the checkpoint's data position is of {saved['shard_count']} data shards "
+        f"(processes reading their own rows) and this run has {count}; the training data "
+        "starts again from the beginning of its order")
+    return None
+  return saved["shards"][str(index)]
+
+
 def _loop(config, plan: Setup, log, compiled, checkpoints: "Checkpoints", n_params: int,
           stop: _Stop):
   model_cfg, mesh = plan.model_cfg, plan.mesh
@@ -649,11 +690,14 @@ def _loop(config, plan: Setup, log, compiled, checkpoints: "Checkpoints", n_para
   shard_index, shard_count = partitioning.process_data_shard(mesh)
   train_iter = data.make_train_iterator(config, process_index=shard_index,
                                         process_count=shard_count)
+  shard = (shard_index, shard_count)
   if restored is not None:
     state, data_state = restored
-    train_iter.set_state(data_state)
     start = int(state["step"])
     log(f"resuming from {checkpoints.directory}/{start}")
+    data_state = own_data_state(data_state, shard, log)
+    if data_state is not None:
+      train_iter.set_state(data_state)
   else:
     log(f"initialising {n_params / 1e6:.2f}M parameters and the optimizer state (compiling)")
     started = time.perf_counter()
@@ -700,8 +744,15 @@ def _loop(config, plan: Setup, log, compiled, checkpoints: "Checkpoints", n_para
     return bool(config.eval_every and step % config.eval_every == 0) or (
         step == config.total_steps)
 
-  meta = {"tokenizer": config.data.tokenizer, "config": config.to_json()}
-  last_good = start
+  tokenizer = config.data.tokenizer  # recorded absolute: sampling may start elsewhere
+  tokenizer = tokenizer if tokenizer == "byte" else os.path.abspath(os.path.expanduser(tokenizer))
+  meta = {"tokenizer": tokenizer, "config": config.to_json()}
+  finite = jax.jit(all_finite, out_shardings=plan.state_shardings["step"])
+  last_good = start if restored is not None else None
+
+  def latest() -> str:
+    return (f"the last checkpoint is step {last_good} in {checkpoints.directory}"
+            if last_good is not None else "no checkpoint was written")
 
   pending: list[tuple[int, dict]] = []
   last_record: dict[str, Any] = {}
@@ -725,8 +776,7 @@ def _loop(config, plan: Setup, log, compiled, checkpoints: "Checkpoints", n_para
       try:
         rows = next(train_iter)
       except ConfigError as e:  # a data file that vanished or changed under the run
-        raise ConfigError(f"{e} (at step {step}; the last checkpoint is step {last_good} in "
-                          f"{checkpoints.directory})") from None
+        raise ConfigError(f"{e} (at step {step}; {latest()})") from None
       batch = _place(rows, batch_sh, config.batch_size)
       state, metrics = train_step(state, batch)
       pending.append((step, metrics))
@@ -738,10 +788,12 @@ def _loop(config, plan: Setup, log, compiled, checkpoints: "Checkpoints", n_para
         host = jax.device_get(pending)
         pending.clear()
         for s, m in host:
-          if not np.isfinite(m["loss"]):
-            raise NonFiniteLoss(
-                f"loss is {m['loss']} at step {s}; stopping. The last good checkpoint is step "
-                f"{last_good} in {checkpoints.directory}")
+          # The loss is of the parameters before step s; a non-finite gradient norm means the
+          # update of step s made them non-finite too.
+          for name in ("loss", "grad_norm"):
+            if not np.isfinite(m[name]):
+              raise NonFiniteLoss(f"{name.replace('_', ' ')} is {m[name]} at step {s}; "
+                                  f"stopping, {latest()}")
         elapsed = time.perf_counter() - interval_start
         step_time = elapsed / interval_steps
         tokens_per_sec = config.batch_size * config.seq_len / step_time
@@ -758,7 +810,11 @@ def _loop(config, plan: Setup, log, compiled, checkpoints: "Checkpoints", n_para
         interval_start, interval_steps = time.perf_counter(), 0
       if at_checkpoint or stopping:
         phase = "saving"
-        checkpoints.save(step, state, model_cfg, train_iter.get_state(), meta)
+        if not bool(finite(state)):  # never a checkpoint that cannot be resumed
+          raise NonFiniteLoss(f"the parameters or optimizer state after step {step} are not "
+                              f"finite; not saved, {latest()}")
+        checkpoints.save(step, state, model_cfg,
+                         shared_data_state(train_iter.get_state(), shard), meta)
         last_good = step
       if eval_due(step) and not stopping:
         phase = "evaluation"
@@ -776,8 +832,7 @@ def _loop(config, plan: Setup, log, compiled, checkpoints: "Checkpoints", n_para
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
     raise ConfigError(f"out of device memory at step {step} ({phase}): {first_line(e, 200)}; "
-                      f"the last checkpoint is step {last_good} in {checkpoints.directory}"
-                      ) from None
+                      f"{latest()}") from None
   finally:
     writer.close()
   if eval_record is not None and config.data.source != "synthetic":

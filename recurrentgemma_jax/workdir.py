@@ -20,12 +20,26 @@ from recurrentgemma_jax.errors import ConfigError
 LOCK = "lock"
 
 
-def prepare(workdir: str) -> str:
-  """Creates ``workdir`` (and its parents) if needed; a path that is not a directory is a
-  ConfigError. Returns the absolute path."""
+def check(workdir: str) -> None:
+  """Reads only (every process runs it, before anything compiles): a workdir must be a local or
+  mounted directory, and not a model checkpoint. ConfigError otherwise."""
+  if "://" in workdir:  # os.path would make gs://b/run a local "gs:/b/run" found at the first save
+    raise ConfigError(f"--workdir {workdir!r} is a URL; it must be a directory every process "
+                      "sees (for a bucket, a gcsfuse mount of it)")
   path = os.path.abspath(workdir)
   if os.path.exists(path) and not os.path.isdir(path):
     raise ConfigError(f"--workdir {workdir!r} exists and is not a directory")
+  if all(os.path.isdir(os.path.join(path, item)) for item in ("params", "model_config")):
+    raise ConfigError(f"--workdir {workdir!r} holds a model checkpoint, not a training run; to "
+                      f"train from its weights use --config.init_from={workdir} with a new "
+                      "--workdir")
+
+
+def prepare(workdir: str) -> str:
+  """Creates ``workdir`` (and its parents) if needed, after ``check``. Returns the absolute
+  path."""
+  check(workdir)
+  path = os.path.abspath(workdir)
   try:
     os.makedirs(path, exist_ok=True)
   except OSError as e:

@@ -413,7 +413,7 @@ def test_validate_reports_one_clear_line_per_bad_field(corpus, tmp_path):
 def test_iterators_refuse_bad_configs(tmp_path):
   with pytest.raises(ConfigError, match="matches no file"):
     data.make_train_iterator(make_config(source="jsonl", paths=str(tmp_path / "*.jsonl")))
-  with pytest.raises(ConfigError, match="no eval documents"):
+  with pytest.raises(ConfigError, match="has 0 eval documents"):
     data.make_eval_batches(make_config(eval_fraction=1e-9))
 
 

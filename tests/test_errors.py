@@ -27,6 +27,12 @@ def files(tmp_path_factory):
   np.save(root / "tokens_1d.npy", np.arange(5))
   np.save(root / "tokens.npy", np.zeros((2, 4), np.int32))
   (root / "exists").mkdir()
+  (root / "typo.py").write_text(
+      "from recurrentgemma_jax import configlib\n\n"
+      "def get_config(arg=None):\n"
+      "  c = configlib.base_config()\n"
+      "  c.optimizer.learnig_rate = 1e-5\n"
+      "  return c\n")
   return root
 
 
@@ -62,6 +68,22 @@ TRAIN_CASES = [
     (["--config.model.family=gla", "--config.model.gla_expand_k=0.3"], "model.gla_expand_k=0.3"),
     (["--config.data.source=synthetic", "--config.data.synthetic.task=sorting"],
      "data.synthetic.task='sorting'"),
+    # Typos in a config file, values that would crash or train on NaN, forgotten sources.
+    (["--config", "{root}/typo.py"],
+     "sets unknown field 'optimizer.learnig_rate' (did you mean 'optimizer.learning_rate'?)"),
+    (["--config.model.mlp_expanded_width=-5"], "model.mlp_expanded_width=-5 must be a positive"),
+    (["--config.model.num_gate_blocks=-1"], "model.num_gate_blocks=-1 must be a positive"),
+    (["--config.model.family=gla", "--config.model.gla_chunk_size=0"], "gla_chunk_size=0"),
+    (["--config.model.logits_soft_cap=nan"], "model.logits_soft_cap=nan must be >= 0"),
+    (["--config.seed=-1"], "seed=-1 must be an integer in [0, 2**32)"),
+    (["--config.memory_limit_gib=inf"], "memory_limit_gib=inf must be >= 0"),
+    (["--config.optimizer.b1=2"], "optimizer.b1=2.0 must be in [0, 1)"),
+    (["--config.optimizer.weight_decay=nan"], "optimizer.weight_decay=nan must be >= 0"),
+    (["--config.data.shuffle=maybe"], "is not a valid bool (true|1|yes|on|false|0|no|off)"),
+    (["--config.data.paths=/some/file.txt"], "data.source='builtin' does not read files"),
+    (["--config.data.eval_fraction=0.999"], "has 0 train documents, 1 needed"),
+    (["--config", os.path.join(ROOT, "configs", "synthetic.py") + ":induction_heads,hawk",
+      "--config.model.family=gla"], "model.block_types has 'recurrent', which a gla model"),
 ]
 
 
@@ -76,6 +98,34 @@ def test_train_rejects_bad_input_with_one_line(args, expected, files, tmp_path, 
   assert len(err) == 1 and err[0].startswith("error: "), err
   assert expected.format(root=files) in err[0], err
   assert not os.path.exists(tmp_path / "run" / "checkpoints")  # nothing ran
+
+
+@pytest.mark.parametrize("workdir,expected", [
+    ("gs://bucket/run", "is a URL; it must be a directory every process sees"),
+    ("{root}/not_a_checkpoint", "holds a model checkpoint, not a training run; to train from its"
+                                " weights use --config.init_from="),
+])
+def test_a_workdir_that_cannot_hold_a_run_is_one_line(workdir, expected, files, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    load_script("train").main(["train.py", f"--workdir={workdir.format(root=files)}"])
+  assert exit_info.value.code == 2
+  [line] = capsys.readouterr().err.strip().splitlines()
+  assert expected in line, line
+  assert not os.path.exists("gs:") and not os.path.exists(files / "not_a_checkpoint" / "lock")
+
+
+def test_total_steps_below_the_latest_checkpoint_is_one_line(tmp_path):
+  tiny = ["--config.model.width=32", "--config.model.lru_width=32", "--config.model.num_layers=1",
+          "--config.model.num_heads=2", "--config.model.num_gate_blocks=2",
+          "--config.model.mlp_expanded_width=64", "--config.batch_size=2", "--config.seq_len=16",
+          "--config.data.eval_tokens=32", "--config.eval_every=0"]
+  run_script("train.py", f"--workdir={tmp_path}", *tiny, "--config.total_steps=2")
+  proc = run_script("train.py", f"--workdir={tmp_path}", *tiny, "--config.total_steps=1",
+                    check=False)
+  assert proc.returncode == 2, proc.stdout + proc.stderr
+  [line] = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+  assert "total_steps=1 is below step 2, the latest checkpoint" in line, line
+  assert "compiling" not in proc.stdout
 
 
 @pytest.mark.parametrize("script,flag", [("train", "--help"), ("compile_tpu", "-h")])

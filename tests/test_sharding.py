@@ -252,14 +252,42 @@ def test_tensor_parallel_across_two_processes_matches_one_process(tmp_path):
 
 
 def test_two_process_jax_distributed_run_trains_checkpoints_and_resumes(tmp_path):
-  first = _two_processes(tmp_path, 2)
+  # Documents of many lengths (so that the two processes' data positions differ after two
+  # steps), and a learning rate that does not depend on total_steps (2 steps then 4 is 4 steps).
+  for i in range(24):
+    (tmp_path / f"doc{i}.txt").write_text(" ".join(f"w{i}-{j}" for j in range(3 + 11 * i % 29)))
+  (tmp_path / "held_out.txt").write_text("a held-out document " * 20)
+  constant = ["--config.optimizer.schedule=constant", "--config.optimizer.warmup_steps=0",
+              "--config.data.source=text", f"--config.data.paths={tmp_path}/doc*.txt",
+              f"--config.data.eval_paths={tmp_path}/held_out.txt"]
+  first = _two_processes(tmp_path / "resumed", 2, *constant)
   assert "on 2 cpu" in first  # one global mesh over both processes' devices
-  second = _two_processes(tmp_path, 4)
+  second = _two_processes(tmp_path / "resumed", 4, *constant)
   assert "resuming from" in second
-  with open(tmp_path / "metrics.jsonl") as f:
+  with open(tmp_path / "resumed" / "metrics.jsonl") as f:
     steps = [int(line.split('"step": ')[1].split(",")[0]) for line in f if '"loss"' in line]
   assert steps == [1, 2, 3, 4]
-  assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()) == [2, 4]
+  saved = os.listdir(tmp_path / "resumed" / "checkpoints")
+  assert sorted(int(d) for d in saved if d.isdigit()) == [2, 4]
+  # Each process reads its own documents, so each resumes at its own data position.
+  _two_processes(tmp_path / "straight", 4, *constant)
+  assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
+
+
+def test_a_checkpoints_data_position_is_each_shards_own():
+  from recurrentgemma_jax import train
+  states = {0: {"next_index": 3}, 1: {"next_index": 4}}
+  saved = train.shared_data_state(states[0], (0, 1))
+  assert saved == {"shard_count": 1, "shards": {"0": {"next_index": 3}}}
+  two = {"shard_count": 2, "shards": {str(i): s for i, s in states.items()}}
+  logged = []
+  assert train.own_data_state(two, (1, 2), logged.append) == {"next_index": 4}
+  assert train.own_data_state({"next_index": 3}, (0, 1), logged.append) == {"next_index": 3}
+  assert not logged
+  # Another number of data shards: the positions do not carry over, and the run says so.
+  assert train.own_data_state(two, (0, 1), logged.append) is None
+  [line] = logged
+  assert "of 2 data shards" in line and "this run has 1" in line
 
 
 def test_shard_local_runs_each_device_on_its_shard():

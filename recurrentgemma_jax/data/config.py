@@ -113,6 +113,20 @@ def _parquet_problem(path: str, field: str) -> str | None:
   return None
 
 
+def _split_errors(config, process_count: int) -> list[str]:
+  """Training needs a document for each process (each reads its own share), evaluation one;
+  found here, from the file list and index alone, rather than after compiling."""
+  errors = []
+  for split, needed, fix in (("train", process_count, "lower data.eval_fraction"),
+                             ("eval", 1, "raise data.eval_fraction, or use data.eval_paths")):
+    count = len(sources.documents(config, split))
+    if count < needed:
+      each = f" (one for each of the {needed} processes)" if needed > 1 else ""
+      errors.append(f"data.source={config.data.source!r} has {count} {split} documents, "
+                    f"{needed} needed{each}; add documents or {fix}")
+  return errors
+
+
 def _check_tfds(data) -> list[str]:
   if not data.tfds_name:
     return ["data.tfds_name is empty; data.source='tfds' needs a name such as 'c4/en:3.1.0'"]
@@ -198,6 +212,12 @@ def validate(config, *, process_count: int | None = None) -> list[str]:
     errors.append(f"data.eval_fraction={data.eval_fraction} must be between 0 and 1")
   if data.source in sources.LOCAL_SOURCES:
     errors += _check_local_files(data)
+  else:  # a forgotten data.source would train on another corpus than the files given
+    errors += [f"data.{name}={data[name]!r} is set, but data.source={data.source!r} does not "
+               f"read files (set data.source={'|'.join(sources.LOCAL_SOURCES)})"
+               for name in ("paths", "eval_paths") if data[name]]
+  if not errors and data.source in (*sources.LOCAL_SOURCES, "builtin"):
+    errors += _split_errors(config, process_count)
   elif data.source == "tfds":
     errors += _check_tfds(data)
   if data.tokenizer != "byte":
