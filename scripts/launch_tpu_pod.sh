@@ -13,25 +13,36 @@
 # The slice's accelerator type (v5p-128, v5litepod-16, ...) is read with `gcloud compute tpus
 # tpu-vm describe`, or taken from ACCELERATOR_TYPE; SKIP_COMPILE_CHECK=1 skips the check.
 #
+# PYTHON is the workers' interpreter (default python3), a word their shell expands (so
+# PYTHON='~/venv/bin/python' is each worker's venv); it must be Python 3.11+ (setup.py), which
+# every worker is checked for before anything is copied (exit 2 otherwise).
 # The repository is copied to every worker with `gcloud compute tpus tpu-vm scp`; the run is
 # started with `gcloud compute tpus tpu-vm ssh --worker=all` inside a detached tmux session
-# named "train" on each worker (logs: ~/train.log). The workdir must be storage every worker
-# sees (e.g. a gcsfuse mount of a bucket). Rerunning the same line resumes from the
-# latest checkpoint in the workdir; a preempted slice gets SIGTERM and saves first.
+# named "train" on each worker (logs: ~/train.log). The training arguments travel in a script
+# file inside the copy (train_command.sh), quoted once for the bash that runs it, so they
+# arrive verbatim ($HOME, quotes, spaces). The workdir must be storage every worker sees (e.g.
+# a gcsfuse mount of a bucket). Rerunning the same line resumes from the latest checkpoint in
+# the workdir; a preempted slice gets SIGTERM and saves first.
 set -euo pipefail
-if [[ $# -lt 3 ]]; then
-  echo "usage: $0 TPU_NAME ZONE [PROJECT] -- TRAIN_ARGS..." >&2
+usage="usage: $0 TPU_NAME ZONE [PROJECT] -- TRAIN_ARGS..."
+# The separator is required: without it a training flag could be taken for the project.
+if [[ $# -ge 3 && $3 == "--" ]]; then
+  tpu=$1; zone=$2; project=""; shift 3
+elif [[ $# -ge 4 && $4 == "--" ]]; then
+  tpu=$1; zone=$2; project=$3; shift 4
+else
+  echo "$usage" >&2
   exit 2
 fi
-tpu=$1; zone=$2; shift 2
-project_flag=()
-if [[ $1 != "--" ]]; then project_flag=(--project "$1"); shift; fi
-[[ $1 == "--" ]] && shift
+python=${PYTHON:-python3}
 root="$(cd "$(dirname "$0")/.." && pwd)"
-gcloud_tpu=(gcloud compute tpus tpu-vm "${project_flag[@]}" --zone "$zone")
+# gcloud takes the command's flags after the command (`tpu-vm --zone Z ssh` is refused).
+flags=(--zone "$zone")
+if [[ -n $project ]]; then flags+=(--project "$project"); fi
+gcloud_tpu=(gcloud compute tpus tpu-vm)
 
 if [[ ${SKIP_COMPILE_CHECK:-0} != 1 ]]; then
-  accelerator=${ACCELERATOR_TYPE:-$("${gcloud_tpu[@]}" describe "$tpu" \
+  accelerator=${ACCELERATOR_TYPE:-$("${gcloud_tpu[@]}" describe "$tpu" "${flags[@]}" \
       --format='value(acceleratorType)')}
   if [[ -z $accelerator ]]; then
     echo "error: no accelerator type for $tpu (set ACCELERATOR_TYPE, e.g. v5p-128)" >&2
@@ -48,14 +59,48 @@ if [[ ${SKIP_COMPILE_CHECK:-0} != 1 ]]; then
   fi
 fi
 
-tar -C "$root" --exclude=.git --exclude=runs --exclude=workdir -czf /tmp/recurrentgemma_jax.tgz .
-"${gcloud_tpu[@]}" scp /tmp/recurrentgemma_jax.tgz "$tpu":~/ --worker=all
-"${gcloud_tpu[@]}" ssh "$tpu" --worker=all --command "
+# Runs a command on every worker; a worker's failure stops the launcher with gcloud's status.
+on_workers() {
+  local status=0
+  "${gcloud_tpu[@]}" ssh "$tpu" "${flags[@]}" --worker=all --command "$1" || status=$?
+  if [[ $status != 0 ]]; then
+    echo "error: $2 failed on a worker of $tpu (gcloud ssh exited $status)" >&2
+    exit "$status"
+  fi
+}
+
+# Every worker's interpreter first: stock TPU VM images (Ubuntu 22.04) have Python 3.10.
+py=$python  # (not quoted: the workers' shell expands it, as documented above)
+on_workers "
+  if ! $py -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    echo \"error: worker \$(hostname): PYTHON=$py is not Python 3.11+ (install one and set PYTHON, e.g. PYTHON=python3.11)\" >&2
+    exit 2
+  fi" "the Python check"
+
+staging=$(mktemp -d)
+trap 'rm -rf "$staging"' EXIT
+{
+  echo '#!/usr/bin/env bash'
+  echo '# Written by scripts/launch_tpu_pod.sh: the training command, each argument quoted once.'
+  echo 'set -o pipefail'
+  echo 'cd "$(dirname "$0")"'
+  printf '%s scripts/train.py' "$python"
+  printf ' %q' "$@"
+  echo ' 2>&1 | tee ~/train.log'
+} > "$staging/train_command.sh"
+tar -czf "$staging/recurrentgemma_jax.tgz" -C "$root" --exclude=.git --exclude=runs \
+    --exclude=workdir --exclude=./train_command.sh . -C "$staging" train_command.sh
+"${gcloud_tpu[@]}" scp "$staging/recurrentgemma_jax.tgz" "$tpu":~/ "${flags[@]}" --worker=all
+# The tmux command names only the script, so no argument is parsed by another shell; a session
+# gone right after its start (the command could not run) fails the launcher.
+on_workers "
   set -e
   mkdir -p ~/recurrentgemma_jax && tar -xzf ~/recurrentgemma_jax.tgz -C ~/recurrentgemma_jax
   cd ~/recurrentgemma_jax
-  python3 -m pip install -q -e '.[tpu]'
+  $py -m pip install -q -e '.[tpu]'
   tmux kill-session -t train 2>/dev/null || true
-  tmux new-session -d -s train \"python3 scripts/train.py $(printf '%q ' "$@") 2>&1 | tee ~/train.log\"
-"
-echo "started on every worker of $tpu; follow with: ${gcloud_tpu[*]} ssh $tpu --worker=0 --command 'tail -f ~/train.log'"
+  tmux new-session -d -s train 'bash ~/recurrentgemma_jax/train_command.sh'
+  sleep 1
+  tmux has-session -t train" "the start (its output: ~/train.log there)"
+echo "started on every worker of $tpu; follow with: ${gcloud_tpu[*]} ssh $tpu ${flags[*]}" \
+     "--worker=0 --command 'tail -f ~/train.log'"

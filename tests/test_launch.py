@@ -1,41 +1,151 @@
 """The TPU-pod launcher, up to the point where a real pod is needed: the gcloud commands it
-issues (recorded by a stand-in gcloud on PATH) copy the code to every worker and start the
-exact training command there, after compiling the step for the slice's topology here."""
+issues (to a stand-in gcloud on PATH that parses them as gcloud does and runs ssh's command
+on stand-in workers) copy the code to every worker and start the exact training command there,
+after compiling the step for the slice's topology here."""
 
 import os
 import stat
 import subprocess
+import time
+
+import pytest
 
 from helpers import ROOT, script_env
 
 
-def test_tpu_pod_launcher_issues_the_documented_commands(tmp_path):
+# gcloud as it parses a `compute tpus tpu-vm` line: the command first, then its flags (a flag
+# before the command is refused, as real gcloud does), --zone required. With WORKERS set, `scp`
+# copies into each stand-in worker's home and `ssh --command` runs the string there through
+# bash, as ssh does; otherwise ssh only records.
+_GCLOUD = r"""#!/usr/bin/env bash
+printf "%s\0" "$*" >> "$GCLOUD_LOG"  # a line may hold newlines
+if [[ "$1 $2 $3" != "compute tpus tpu-vm" ]]; then echo "ERROR: unknown command" >&2; exit 2; fi
+case $4 in
+  describe|scp|ssh) ;;
+  *) echo "ERROR: (gcloud.compute.tpus.tpu-vm) unrecognized arguments: $4" >&2; exit 2 ;;
+esac
+sub=$4; shift 4
+command=""; zone=""; positional=()
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --command) command=$2; shift 2 ;;
+    --zone) zone=$2; shift 2 ;;
+    --project) shift 2 ;;
+    --*) shift ;;
+    *) positional+=("$1"); shift ;;
+  esac
+done
+if [[ -z $zone ]]; then echo "ERROR: (gcloud.compute.tpus.tpu-vm.$sub) argument --zone: Must be specified." >&2; exit 2; fi
+if [[ $sub == describe ]]; then echo v5litepod-4; exit 0; fi
+status=0
+for home in ${WORKERS:-}; do
+  if [[ $sub == scp ]]; then cp "${positional[0]}" "$home/"; fi
+  if [[ $sub == ssh ]]; then
+    (cd "$home" && HOME=$home PATH="$WORKER_BIN:$PATH" bash -c "$command") || status=$?
+  fi
+done
+exit $status
+"""
+
+# tmux on a worker: new-session runs its command through sh -c in the background, as a session
+# that ends with the command.
+_TMUX = r"""#!/usr/bin/env bash
+case $1 in
+  kill-session) exit 1 ;;
+  new-session) (sh -c "$5"; touch "$HOME/tmux.ended") > "$HOME/tmux.out" 2>&1 & ;;
+  has-session) [[ ! -e $HOME/tmux.ended ]] ;;
+esac
+"""
+
+# A worker's interpreters: python3 is a stock image's 3.10, python3.11 a good one. train.py
+# writes its arguments, NUL-separated, and stays up a few seconds (or exits at once with
+# TRAIN_EXITS set, a run that could not start).
+_PYTHON = r"""#!/usr/bin/env bash
+case $1 in
+  -c) [[ $(basename "$0") == python3.11 ]]; exit ;;
+  -m) exit 0 ;;
+  scripts/train.py)
+    shift; printf '%s\0' "$@" > "$HOME/argv"
+    if [[ -n ${TRAIN_EXITS:-} ]]; then exit 1; fi
+    sleep 3 ;;
+esac
+"""
+
+_ARGS = ["--config", "configs/griffin.py:7b", "--workdir", "/mnt/b/run 1", "--config.zero=1",
+         "--config.data.tokenizer=$HOME/tok.model", 'say "hi"', "it's", "`id` *", "a\nb", ""]
+
+
+def _executable(path, text):
+  path.parent.mkdir(exist_ok=True)
+  path.write_text(text)
+  path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def _calls(log):
+  return log.read_text().split("\0")[:-1] if log.exists() else []
+
+
+def _pod(tmp_path, args, workers=2, **env):
+  """Runs the launcher (no compile check) against stand-in workers; returns the process, the
+  gcloud lines and the worker directories."""
+  homes = [tmp_path / f"worker{i}" for i in range(workers)]
+  for home in homes:
+    home.mkdir()
+  _executable(tmp_path / "bin" / "gcloud", _GCLOUD)
+  for name, text in (("tmux", _TMUX), ("python3", _PYTHON), ("python3.11", _PYTHON)):
+    _executable(tmp_path / "worker_bin" / name, text)
   log = tmp_path / "gcloud.log"
-  fake = tmp_path / "bin" / "gcloud"
-  fake.parent.mkdir()
-  fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$*" >> {log}\n')
-  fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-  env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}", SKIP_COMPILE_CHECK="1")
-  proc = subprocess.run(
-      ["bash", os.path.join(ROOT, "scripts", "launch_tpu_pod.sh"), "my-pod", "us-central2-b",
-       "my-project", "--", "--config", "configs/griffin.py:7b", "--workdir", "/mnt/b/run 1",
-       "--config.zero=1"], env=env, capture_output=True, text=True, timeout=120)
+  full_env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+  full_env.update(PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", SKIP_COMPILE_CHECK="1",
+                  GCLOUD_LOG=str(log), WORKER_BIN=str(tmp_path / "worker_bin"),
+                  WORKERS=" ".join(map(str, homes)), **env)
+  proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_tpu_pod.sh"), *args],
+                        env=full_env, capture_output=True, text=True, timeout=120)
+  return proc, _calls(log), homes
+
+
+def test_tpu_pod_launcher_starts_the_exact_arguments_on_every_worker(tmp_path):
+  proc, calls, homes = _pod(tmp_path, ["my-pod", "us-central2-b", "my-project", "--", *_ARGS],
+                            PYTHON="python3.11")
   assert proc.returncode == 0, proc.stderr
-  scp, *ssh_lines = log.read_text().strip().splitlines()
-  ssh = "\n".join(ssh_lines)
-  assert scp.startswith("compute tpus tpu-vm --project my-project --zone us-central2-b scp")
-  assert scp.endswith("my-pod:~/ --worker=all")
-  assert "ssh my-pod --worker=all --command" in ssh
-  assert "pip install -q -e '.[tpu]'" in ssh  # jax[tpu] at the project's jax version
-  # The training arguments arrive intact, quoted for the remote shell.
-  assert ("python3 scripts/train.py --config configs/griffin.py:7b --workdir /mnt/b/run\\ 1 "
-          "--config.zero=1") in ssh
+  assert "started on every worker of my-pod" in proc.stdout
+  check, scp, start = calls
+  assert check.startswith("compute tpus tpu-vm ssh my-pod --zone us-central2-b "
+                          "--project my-project --worker=all --command")
+  assert scp.startswith("compute tpus tpu-vm scp ")
+  assert scp.endswith("my-pod:~/ --zone us-central2-b --project my-project --worker=all")
+  assert "python3.11 -m pip install -q -e '.[tpu]'" in start  # jax[tpu] at the project's jax
+  for home in homes:
+    # Every argument as given: not expanded, split or re-quoted by a shell on the way.
+    for _ in range(50):
+      if (home / "argv").exists():
+        break
+      time.sleep(0.1)
+    assert (home / "argv").read_text().split("\0")[:-1] == _ARGS
 
 
-def test_tpu_pod_launcher_usage_error():
-  proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_tpu_pod.sh")],
+def test_tpu_pod_launcher_fails_when_the_run_does_not_start(tmp_path):
+  proc, _, _ = _pod(tmp_path, ["my-pod", "us-central2-b", "--", *_ARGS], workers=1,
+                    PYTHON="python3.11", TRAIN_EXITS="1")
+  assert proc.returncode != 0 and "started on every worker" not in proc.stdout
+  assert "error: the start (its output: ~/train.log there) failed on a worker of my-pod" in (
+      proc.stderr)
+
+
+def test_tpu_pod_launcher_refuses_a_worker_python_older_than_3_11(tmp_path):
+  proc, calls, _ = _pod(tmp_path, ["my-pod", "us-central2-b", "--", *_ARGS], workers=1)
+  assert proc.returncode == 2, proc.stderr
+  assert "PYTHON=python3 is not Python 3.11+ (install one and set PYTHON" in proc.stderr
+  assert len(calls) == 1  # nothing copied or installed
+
+
+@pytest.mark.parametrize("args", [[], ["my-pod", "zone", "proj"],
+                                  ["my-pod", "zone", "--config", "c.py"],
+                                  ["my-pod", "zone", "proj", "extra", "--", "--config", "c.py"]])
+def test_tpu_pod_launcher_usage_error(args):
+  proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_tpu_pod.sh"), *args],
                         capture_output=True, text=True)
-  assert proc.returncode == 2 and proc.stderr.startswith("usage:")
+  assert proc.returncode == 2 and proc.stderr.startswith("usage:"), proc.stderr
 
 
 # A model whose TPU compile takes seconds.
@@ -46,31 +156,29 @@ TINY = ["--config.model.family=hawk", "--config.model.width=64", "--config.model
 
 
 def _launch(tmp_path, *train_args):
-  """Runs the launcher with a stand-in gcloud that describes my-pod as a v5litepod-4; returns
-  the process and the gcloud command lines."""
+  """Runs the launcher with the stand-in gcloud (recording only; my-pod is a v5litepod-4);
+  returns the process and the gcloud command lines."""
   log = tmp_path / "gcloud.log"
-  fake = tmp_path / "bin" / "gcloud"
-  fake.parent.mkdir()
-  fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$*" >> {log}\n'
-                  'if [[ " $* " == *" describe "* ]]; then echo v5litepod-4; fi\n')
-  fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-  env = script_env(PATH=f"{fake.parent}:{os.environ['PATH']}")
+  _executable(tmp_path / "bin" / "gcloud", _GCLOUD)
+  env = script_env(PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", GCLOUD_LOG=str(log))
   env.pop("SKIP_COMPILE_CHECK", None)
+  env.pop("WORKERS", None)
   proc = subprocess.run(
       ["bash", os.path.join(ROOT, "scripts", "launch_tpu_pod.sh"), "my-pod", "us-central2-b",
        "--", "--workdir", "/mnt/b/run", *TINY, *train_args],
       env=env, capture_output=True, text=True, timeout=600)
-  return proc, log.read_text().strip().splitlines() if log.exists() else []
+  return proc, _calls(log)
 
 
 def test_tpu_pod_launcher_compiles_for_the_slice_then_starts_a_run_that_fits(tmp_path):
   proc, calls = _launch(tmp_path)
   assert proc.returncode == 0, proc.stderr
-  assert calls[0] == ("compute tpus tpu-vm --zone us-central2-b describe my-pod "
+  assert calls[0] == ("compute tpus tpu-vm describe my-pod --zone us-central2-b "
                       "--format=value(acceleratorType)")
   assert "compiling the training step for my-pod (v5litepod-4)" in proc.stdout
   assert "HBM per chip, training step" in proc.stdout and ": fits" in proc.stdout
-  assert " scp " in calls[1] and "ssh my-pod --worker=all" in "\n".join(calls[2:])
+  assert "ssh my-pod --zone us-central2-b --worker=all" in calls[1]  # the Python check
+  assert " scp " in calls[2] and "ssh my-pod --zone us-central2-b --worker=all" in calls[3]
 
 
 def test_tpu_pod_launcher_refuses_a_run_that_does_not_fit(tmp_path):
