@@ -8,25 +8,63 @@
 #   Under SLURM (one task per node; this script starts one process per GPU of its node):
 #     srun --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 scripts/launch_gpus.sh ...
 #
+# GPUS_PER_NODE sets how many processes start on this node (default: the GPUs nvidia-smi
+# lists); COORDINATOR_PORT is the coordinator's port where COORDINATOR is not given (node 0 of
+# a SLURM job, or localhost on one node; default 12345).
 # Each process sees one GPU (CUDA_VISIBLE_DEVICES) and joins the job through
 # jax.distributed (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, read by
 # sharding/distributed.py). Every process runs the same command; the data pipeline gives each
-# its share of the global batch. Rerunning the same line resumes from the last checkpoint.
+# its share of the global batch. SIGTERM or SIGINT to this script is passed to every process as
+# SIGTERM (each saves its step and exits 0) and the script waits for them, so a preempted job
+# (a container whose first process is this script) saves. Rerunning the same line resumes from
+# the last checkpoint.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-gpus_per_node=${GPUS_PER_NODE:-$(nvidia-smi --list-gpus | wc -l)}
+positive() { [[ $1 =~ ^[0-9]+$ ]] && (( 10#$1 > 0 )); }
+if [[ -n ${GPUS_PER_NODE:-} ]]; then
+  gpus_per_node=$GPUS_PER_NODE
+  if ! positive "$gpus_per_node"; then
+    echo "error: GPUS_PER_NODE=$gpus_per_node must be a positive integer" >&2
+    exit 2
+  fi
+else
+  # (only "GPU n: ..." lines: a failing nvidia-smi prints its reason on stdout)
+  gpus_per_node=$(nvidia-smi --list-gpus 2>/dev/null | grep -c '^GPU ') || gpus_per_node=0
+  if [[ $gpus_per_node == 0 ]]; then
+    echo "error: no GPUs found (nvidia-smi --list-gpus); set GPUS_PER_NODE to start anyway" >&2
+    exit 2
+  fi
+fi
 nnodes=${NNODES:-${SLURM_NNODES:-1}}
 node_rank=${NODE_RANK:-${SLURM_NODEID:-0}}
+if ! positive "$nnodes"; then
+  echo "error: NNODES=$nnodes must be a positive integer" >&2
+  exit 2
+fi
+if ! [[ $node_rank =~ ^[0-9]+$ ]] || (( 10#$node_rank >= nnodes )); then
+  echo "error: NODE_RANK=$node_rank must be 0 to $((nnodes - 1)) (NNODES=$nnodes)" >&2
+  exit 2
+fi
+port=${COORDINATOR_PORT:-12345}
 if [[ -z "${COORDINATOR:-}" ]]; then
   if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
-    COORDINATOR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1):12345"
+    COORDINATOR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1):$port"
+  elif (( nnodes > 1 )); then
+    # localhost would be a different coordinator on every node: each would wait for the others.
+    echo "error: NNODES=$nnodes needs COORDINATOR=<node0-host>:PORT (or a SLURM job)" >&2
+    exit 2
   else
-    COORDINATOR="localhost:12345"
+    COORDINATOR="localhost:$port"
   fi
 fi
 
 pids=()
+# Background processes of a script ignore SIGINT, so both signals go on as SIGTERM, which
+# train.py answers by saving. A signal interrupts `wait`; `signalled` tells that from an exit.
+signalled=0
+forward() { signalled=1; kill -TERM "${pids[@]}" 2>/dev/null || true; }
+trap forward TERM INT
 for ((local_rank = 0; local_rank < gpus_per_node; local_rank++)); do
   CUDA_VISIBLE_DEVICES=$local_rank \
   JAX_COORDINATOR_ADDRESS=$COORDINATOR \
@@ -36,5 +74,13 @@ for ((local_rank = 0; local_rank < gpus_per_node; local_rank++)); do
   pids+=($!)
 done
 status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+for pid in "${pids[@]}"; do
+  while true; do
+    signalled=0
+    code=0
+    wait "$pid" || code=$?
+    [[ $signalled == 1 ]] || break  # else wait was interrupted: the process is still running
+  done
+  if [[ $code != 0 ]]; then status=$code; fi
+done
 exit $status

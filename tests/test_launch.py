@@ -4,6 +4,7 @@ on stand-in workers) copy the code to every worker and start the exact training 
 after compiling the step for the slice's topology here."""
 
 import os
+import signal
 import stat
 import subprocess
 import time
@@ -188,3 +189,57 @@ def test_tpu_pod_launcher_refuses_a_run_that_does_not_fit(tmp_path):
   assert len(calls) == 1 and " describe " in f" {calls[0]} "  # nothing copied or started
   assert "error: does not fit on v5e-4" in proc.stderr
   assert "not starting the run on my-pod" in proc.stderr
+
+
+# train.py on a GPU node: records its start and a SIGTERM, after which it exits 0 (as train.py
+# does once it has saved).
+_TRAINER = r"""#!/usr/bin/env bash
+trap 'echo "$JAX_PROCESS_ID saved" >> "$TRAIN_LOG"; kill $!; exit 0' TERM
+echo "$JAX_PROCESS_ID $CUDA_VISIBLE_DEVICES $JAX_NUM_PROCESSES $JAX_COORDINATOR_ADDRESS $*" \
+    >> "$TRAIN_LOG"
+sleep 60 & wait $!
+echo "$JAX_PROCESS_ID was never stopped" >> "$TRAIN_LOG"
+"""
+
+
+def _gpus(tmp_path, *args, **env):
+  _executable(tmp_path / "bin" / "python3", _TRAINER)
+  _executable(tmp_path / "bin" / "nvidia-smi",  # a node whose driver is not loaded
+              "#!/bin/sh\necho 'NVIDIA-SMI has failed because it could not communicate'\nexit 9\n")
+  full_env = {k: v for k, v in os.environ.items()
+              if not k.startswith(("SLURM_", "GPUS_PER_NODE", "NNODES", "NODE_RANK", "COORD"))}
+  full_env.update(PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+                  TRAIN_LOG=str(tmp_path / "train.log"), **env)
+  return subprocess.Popen(["bash", os.path.join(ROOT, "scripts", "launch_gpus.sh"), *args],
+                          env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_gpu_launcher_passes_a_signal_on_and_waits_for_every_process(tmp_path, sig):
+  proc = _gpus(tmp_path, "--workdir", "runs/x", GPUS_PER_NODE="3", COORDINATOR_PORT="23456")
+  log = tmp_path / "train.log"
+  for _ in range(100):
+    if log.exists() and len(log.read_text().splitlines()) == 3:
+      break
+    time.sleep(0.1)
+  assert sorted(log.read_text().splitlines()) == [
+      f"{i} {i} 3 localhost:23456 scripts/train.py --workdir runs/x" for i in range(3)]
+  proc.send_signal(sig)
+  _, err = proc.communicate(timeout=30)
+  assert proc.returncode == 0, err
+  # Every process got the signal and had saved before the launcher exited.
+  assert sorted(log.read_text().splitlines()[3:]) == [f"{i} saved" for i in range(3)]
+
+
+@pytest.mark.parametrize("env,error", [
+    ({"GPUS_PER_NODE": "0"}, "error: GPUS_PER_NODE=0 must be a positive integer"),
+    ({}, "error: no GPUs found (nvidia-smi --list-gpus); set GPUS_PER_NODE to start anyway"),
+    ({"GPUS_PER_NODE": "2", "NNODES": "2", "NODE_RANK": "1"},
+     "error: NNODES=2 needs COORDINATOR=<node0-host>:PORT (or a SLURM job)"),
+    ({"GPUS_PER_NODE": "2", "NNODES": "2", "NODE_RANK": "2", "COORDINATOR": "h:1"},
+     "error: NODE_RANK=2 must be 0 to 1 (NNODES=2)")])
+def test_gpu_launcher_refuses_a_node_it_cannot_start(tmp_path, env, error):
+  proc = _gpus(tmp_path, "--workdir", "runs/x", **env)
+  _, err = proc.communicate(timeout=30)
+  assert (proc.returncode, err) == (2, error + "\n")
+  assert not (tmp_path / "train.log").exists()  # nothing started
