@@ -4,6 +4,7 @@ more, ZeRO-1 memory, checkpoints across meshes, and a real 2-process jax.distrib
 
 import collections
 import dataclasses
+import fnmatch
 import json
 import os
 import re
@@ -21,7 +22,8 @@ import helpers
 from helpers import ROOT, run_script, script_env
 from recurrentgemma_jax import attention, configlib, data, train
 from recurrentgemma_jax import model as model_lib
-from sharding import partitioning
+from recurrentgemma_jax.errors import ConfigError
+from sharding import distributed, partitioning
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 simulated devices "
                                 "(tests/conftest.py sets them before JAX starts)")
@@ -288,6 +290,63 @@ def test_a_checkpoints_data_position_is_each_shards_own():
   assert train.own_data_state(two, (0, 1), logged.append) is None
   [line] = logged
   assert "of 2 data shards" in line and "this run has 1" in line
+
+
+@pytest.mark.parametrize("env,tpu_vm,want", [
+    ({}, False, None),  # one process, nothing to join
+    ({}, True, {}),  # a Cloud TPU VM, one host or a pod's worker: JAX reads the metadata
+    ({"JAX_PLATFORMS": "cpu"}, True, None),  # kept off the TPUs
+    ({"JAX_PLATFORMS": "tpu,cpu"}, True, {}),
+    ({"SLURM_NTASKS": "4"}, False, {}),
+    ({"TPU_WORKER_HOSTNAMES": "a,b"}, False, {}),  # GKE
+    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}, True,
+     dict(coordinator_address="h:1", num_processes=2, process_id=1))])
+def test_distributed_initialises_where_the_job_has_or_may_have_several_processes(env, tpu_vm,
+                                                                                 want):
+  assert distributed.arguments(env, lambda: tpu_vm) == want
+
+
+@pytest.mark.parametrize("env,error", [
+    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_PROCESS_ID": "0"},
+     "JAX_NUM_PROCESSES is unset: with JAX_COORDINATOR_ADDRESS set it must be a non-negative "
+     "integer"),
+    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "x"},
+     "JAX_PROCESS_ID is 'x': with JAX_COORDINATOR_ADDRESS set it must be a non-negative integer")])
+def test_distributed_names_a_missing_process_variable(env, error):
+  with pytest.raises(ConfigError) as e:
+    distributed.arguments(env, lambda: False)
+  assert str(e.value) == error
+
+
+def test_distributed_initialize_on_a_tpu_vm_lets_jax_find_the_pod(monkeypatch):
+  calls = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+  monkeypatch.setattr(distributed, "_initialized", False)
+  monkeypatch.setattr(distributed, "on_cloud_tpu_vm", lambda: True)
+  for name in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES",
+               "JAX_PLATFORMS"):
+    monkeypatch.delenv(name, raising=False)
+  distributed.initialize()
+  distributed.initialize()  # once per process
+  assert calls == [{}]
+
+
+def test_tpu_vm_probe_reads_device_nodes_and_libtpu(monkeypatch):
+  nodes = []
+  monkeypatch.setattr(distributed.glob, "glob",
+                      lambda pattern: [n for n in nodes if fnmatch.fnmatch(n, pattern)])
+  libtpu = [None]
+  monkeypatch.setattr(distributed.importlib.util, "find_spec",
+                      lambda name: libtpu[0] if name == "libtpu" else None)
+  assert not distributed.on_cloud_tpu_vm()
+  nodes.append("/dev/vfio/0")  # a v5e's chip
+  assert not distributed.on_cloud_tpu_vm()  # no libtpu: not a TPU VM JAX can use
+  libtpu[0] = object()
+  assert distributed.on_cloud_tpu_vm()
+  nodes[:] = ["/dev/accel0"]  # a v4's
+  assert distributed.on_cloud_tpu_vm()
+  nodes[:] = ["/dev/vfio/vfio"]  # VFIO's control node alone: no chip
+  assert not distributed.on_cloud_tpu_vm()
 
 
 def test_shard_local_runs_each_device_on_its_shard():
