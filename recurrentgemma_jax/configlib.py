@@ -41,7 +41,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1              # Devices on the data axis (-1: the remaining devices).
   c.mesh.model = 1              # Devices on the model (tensor-parallel) axis (-1: the remaining).
-  c.mesh.slices = 1             # TPU slices (GPU: process groups) the data axis spans over DCN.
+  c.mesh.slices = 1             # TPU slices data spans over DCN (GPUs: equal process groups).
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.learning_rate = 1e-3   # Peak learning rate.
   c.optimizer.warmup_steps = 100     # Linear warmup from 0.

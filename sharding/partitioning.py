@@ -44,9 +44,12 @@ DATA, MODEL = "data", "model"
 def make_mesh(data: int, model: int, devices=None, *, slices: int = 1) -> Mesh:
   """A ``(data, model)`` mesh; -1 on one axis takes the remaining devices.
 
-  ``slices > 1`` spreads ``data`` over that many TPU slices (or, on GPUs and CPUs, groups of
-  processes) joined by the slower data-centre network: ``model`` and the rest of ``data`` stay
-  inside a slice, so only the data-parallel gradient reduction crosses the network.
+  ``slices > 1`` spreads ``data`` over that many TPU slices (their ``slice_index``) joined by
+  the slower data-centre network: ``model`` and the rest of ``data`` stay inside a slice, so
+  only the data-parallel gradient reduction crosses the network. Elsewhere (GPUs, CPUs, one TPU
+  slice) the processes stand for the slices, in ``slices`` equal groups of consecutive process
+  indices (``process_groups``): with ``scripts/launch_gpus.sh``'s one process per GPU, one
+  group per node.
   """
   devices = list(jax.devices() if devices is None else devices)
   n = len(devices)
@@ -59,15 +62,43 @@ def make_mesh(data: int, model: int, devices=None, *, slices: int = 1) -> Mesh:
   if data % slices:
     raise ValueError(f"mesh.slices={slices} does not divide the data axis ({data})")
   from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
-  # Multi-slice TPUs number their slices; elsewhere each process is one group.
-  by_process = len({getattr(d, "slice_index", 0) for d in devices}) == 1
-  granules = len({d.process_index if by_process else d.slice_index for d in devices})
-  if granules != slices:
-    raise ValueError(f"mesh.slices={slices} but the devices form {granules} "
-                     f"{'processes' if by_process else 'slices'}")
-  grid = mesh_utils.create_hybrid_device_mesh(
-      (data // slices, model), (slices, 1), devices, process_is_granule=by_process)
+  slice_indices = {getattr(d, "slice_index", 0) for d in devices}
+  if len(slice_indices) > 1:  # multi-slice TPUs number their slices
+    if len(slice_indices) != slices:
+      raise ValueError(f"mesh.slices={slices} but the devices form {len(slice_indices)} slices")
+    grid = mesh_utils.create_hybrid_device_mesh(
+        (data // slices, model), (slices, 1), devices, process_is_granule=False)
+  else:
+    grid = grouped_grid(devices, process_groups([d.process_index for d in devices], slices),
+                        data // slices, model)
   return Mesh(grid, (DATA, MODEL))
+
+
+def process_groups(process_indices: list[int], slices: int) -> list[int]:
+  """Each device's group, from its process index: the processes in index order, cut into
+  ``slices`` equal runs (processes ``0 .. n/slices - 1`` are group 0, and so on)."""
+  processes = sorted(set(process_indices))
+  if len(processes) % slices:
+    raise ValueError(f"mesh.slices={slices} does not divide the {len(processes)} processes "
+                     "into equal groups")
+  per_group = len(processes) // slices
+  rank = {p: i for i, p in enumerate(processes)}
+  return [rank[p] // per_group for p in process_indices]
+
+
+def grouped_grid(devices: list, groups: list[int], rows: int, model: int) -> np.ndarray:
+  """The ``(data, model)`` device grid whose ``data`` axis is each group's ``rows`` in turn
+  (``groups[i]``: device i's group, 0 to slices - 1): group-local meshes stacked over the
+  network, as ``create_hybrid_device_mesh`` stacks slices."""
+  from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
+  blocks = []
+  for group in range(max(groups) + 1):
+    members = [d for d, g in zip(devices, groups) if g == group]
+    if len(members) != rows * model:
+      raise ValueError(f"mesh.slices={max(groups) + 1}: process group {group} holds "
+                       f"{len(members)} devices, not {rows * model}")
+    blocks.append(mesh_utils.create_device_mesh((rows, model), members))
+  return np.concatenate(blocks, axis=0)
 
 
 def spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, *,

@@ -245,6 +245,31 @@ def test_data_axis_over_two_slices_trains_like_one_slice(tmp_path):
   np.testing.assert_allclose(_losses(tmp_path / "dcn"), _losses(tmp_path / "flat"), rtol=1e-5)
 
 
+def test_slices_off_tpus_are_equal_runs_of_consecutive_processes():
+  # 4 processes (2 nodes of 2 GPUs under launch_gpus.sh), listed out of order, 2 devices each.
+  assert partitioning.process_groups([1, 1, 0, 0, 3, 3, 2, 2], 2) == [0, 0, 0, 0, 1, 1, 1, 1]
+  assert partitioning.process_groups([0, 1, 2, 3], 4) == [0, 1, 2, 3]
+  assert partitioning.process_groups([5, 7], 1) == [0, 0]
+  with pytest.raises(ValueError, match=r"^mesh.slices=3 does not divide the 4 processes into "
+                     "equal groups$"):
+    partitioning.process_groups([0, 1, 2, 3], 3)
+  with pytest.raises(ValueError, match=r"^mesh.slices=2 does not divide the 1 processes"):
+    partitioning.make_mesh(4, 2, slices=2)  # this test process: one process, 8 devices
+
+
+def test_slices_lay_the_data_axis_over_the_process_groups():
+  devices = jax.devices()[:8]
+  groups = [1, 0, 1, 0, 0, 1, 0, 1]  # (as process_groups gives for processes 1 0 1 0 0 1 0 1)
+  grid = partitioning.grouped_grid(devices, groups, 2, 2)
+  assert grid.shape == (4, 2)
+  # data rows 0-1 hold group 0's devices, rows 2-3 group 1's: model never crosses a group
+  group_of = dict(zip(devices, groups))
+  assert [[group_of[d] for d in row] for row in grid] == [[0, 0], [0, 0], [1, 1], [1, 1]]
+  assert sorted(d.id for d in grid.flat) == sorted(d.id for d in devices)
+  with pytest.raises(ValueError, match=r"process group 0 holds 3 devices, not 4"):
+    partitioning.grouped_grid(devices, [0, 0, 0, 1, 1, 1, 1, 1], 2, 2)
+
+
 def test_tensor_parallel_across_two_processes_matches_one_process(tmp_path):
   # Both processes hold the same rows (one data shard); the model is split between them.
   _two_processes(tmp_path / "tp", 3, "--config.mesh.data=1", "--config.mesh.model=2")
