@@ -71,9 +71,10 @@ on_workers() {
 
 # Every worker's interpreter first: stock TPU VM images (Ubuntu 22.04) have Python 3.10.
 py=$python  # (not quoted: the workers' shell expands it, as documented above)
+need="is not Python 3.11+ (install one and set PYTHON, e.g. PYTHON=python3.11)"
 on_workers "
   if ! $py -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
-    echo \"error: worker \$(hostname): PYTHON=$py is not Python 3.11+ (install one and set PYTHON, e.g. PYTHON=python3.11)\" >&2
+    echo \"error: worker \$(hostname): PYTHON=$py $need\" >&2
     exit 2
   fi" "the Python check"
 

@@ -36,7 +36,10 @@ while [[ $# -gt 0 ]]; do
     *) positional+=("$1"); shift ;;
   esac
 done
-if [[ -z $zone ]]; then echo "ERROR: (gcloud.compute.tpus.tpu-vm.$sub) argument --zone: Must be specified." >&2; exit 2; fi
+if [[ -z $zone ]]; then
+  echo "ERROR: (gcloud.compute.tpus.tpu-vm.$sub) argument --zone: Must be specified." >&2
+  exit 2
+fi
 if [[ $sub == describe ]]; then echo v5litepod-4; exit 0; fi
 status=0
 for home in ${WORKERS:-}; do
