@@ -77,12 +77,17 @@ def table(out: str) -> str:
       continue
     with open(status_file) as f:
       status = json.load(f)
-    with open(os.path.join(out, f"{index}.json")) as f:
-      r = json.load(f)
+    # A compile that stopped before its report (a bad config: exit 2; an error: 3) has none.
+    report = os.path.join(out, f"{index}.json")
+    r = {}
+    if os.path.exists(report):
+      with open(report) as f:
+        r = json.load(f)
     wall = f"{status['wall_s'] / 60:.1f} min"
     if "mesh" not in r:
-      lines.append(f"| {index} | {name} | {topology} | | | | | | | | no ({status['exit']}) "
-                   f"| | | | {wall} |")
+      verdict = "no" if r else "failed"
+      lines.append(f"| {index} | {name} | {topology} | | | | | | | | {verdict} "
+                   f"({status['exit']}) | | | | {wall} |")
       continue
     rows = r["tokens_per_step"] // r["seq_len"]
     memory = gib(r["bytes"]["total"]) if r["bytes"]["total"] else "-"
