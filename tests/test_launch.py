@@ -126,6 +126,8 @@ def test_tpu_pod_launcher_starts_the_exact_arguments_on_every_worker(tmp_path):
         break
       time.sleep(0.1)
     assert (home / "argv").read_text().split("\0")[:-1] == _ARGS
+    script = (home / "recurrentgemma_jax" / "train_command.sh").read_text()
+    assert "\npython3.11 scripts/train.py " in script  # PYTHON, the one the check passed
 
 
 def test_tpu_pod_launcher_fails_when_the_run_does_not_start(tmp_path):
