@@ -70,11 +70,11 @@ on_workers() {
 }
 
 # Every worker's interpreter first: stock TPU VM images (Ubuntu 22.04) have Python 3.10.
-py=$python  # (not quoted: the workers' shell expands it, as documented above)
+# ($python is not quoted for the workers' shell: it expands it, as documented above.)
 need="is not Python 3.11+ (install one and set PYTHON, e.g. PYTHON=python3.11)"
 on_workers "
-  if ! $py -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
-    echo \"error: worker \$(hostname): PYTHON=$py $need\" >&2
+  if ! $python -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    echo \"error: worker \$(hostname): PYTHON=$python $need\" >&2
     exit 2
   fi" "the Python check"
 
@@ -98,7 +98,7 @@ on_workers "
   set -e
   mkdir -p ~/recurrentgemma_jax && tar -xzf ~/recurrentgemma_jax.tgz -C ~/recurrentgemma_jax
   cd ~/recurrentgemma_jax
-  $py -m pip install -q -e '.[tpu]'
+  $python -m pip install -q -e '.[tpu]'
   tmux kill-session -t train 2>/dev/null || true
   tmux new-session -d -s train 'bash ~/recurrentgemma_jax/train_command.sh'
   sleep 1
