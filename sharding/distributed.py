@@ -14,11 +14,12 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import sys
 from typing import Callable, Mapping
 
 import jax
 
-from recurrentgemma_jax.errors import ConfigError
+from recurrentgemma_jax.errors import ConfigError, first_line
 
 _initialized = False
 
@@ -63,5 +64,13 @@ def initialize() -> None:
     return
   kwargs = arguments(os.environ, on_cloud_tpu_vm)
   if kwargs is not None:
-    jax.distributed.initialize(**kwargs)
+    try:
+      jax.distributed.initialize(**kwargs)
+    except (ValueError, RuntimeError) as e:
+      if arguments(os.environ, lambda: False) is not None:
+        raise  # a job that named its processes
+      # Only the TPU-VM guess: a machine that looked like one but where JAX finds no cluster.
+      # The TPU runtime still joins a pod's hosts; only preemption notices need the service.
+      print(f"WARNING: jax.distributed.initialize() failed ({first_line(e, 200)}); running "
+            "without JAX's distributed service", file=sys.stderr)
   _initialized = True

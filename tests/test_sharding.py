@@ -356,6 +356,24 @@ def test_distributed_initialize_on_a_tpu_vm_lets_jax_find_the_pod(monkeypatch):
   assert calls == [{}]
 
 
+def test_a_tpu_vm_guess_that_jax_cannot_use_warns_and_runs_as_one_process(monkeypatch, capsys):
+  def no_cluster(**kw):
+    raise ValueError("coordinator_address should be defined.")
+  monkeypatch.setattr(jax.distributed, "initialize", no_cluster)
+  monkeypatch.setattr(distributed, "_initialized", False)
+  monkeypatch.setattr(distributed, "on_cloud_tpu_vm", lambda: True)
+  for name in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES",
+               "JAX_PLATFORMS"):
+    monkeypatch.delenv(name, raising=False)
+  distributed.initialize()
+  assert "jax.distributed.initialize() failed (coordinator_address" in capsys.readouterr().err
+  # A job that names its processes fails as JAX says.
+  monkeypatch.setattr(distributed, "_initialized", False)
+  monkeypatch.setenv("SLURM_NTASKS", "2")
+  with pytest.raises(ValueError):
+    distributed.initialize()
+
+
 def test_tpu_vm_probe_reads_device_nodes_and_libtpu(monkeypatch):
   nodes = []
   monkeypatch.setattr(distributed.glob, "glob",
