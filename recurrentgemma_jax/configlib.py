@@ -262,7 +262,20 @@ def _init_from_errors(path: str, cfg: model_lib.ModelConfig) -> list[str]:
   if difference:
     field, theirs, ours = difference
     return [f"init_from={path!r} has model.{field}={_show(theirs)} but this run has {_show(ours)}"]
+  # Fields that keep the shapes but change what the weights compute: allowed (a deliberate
+  # change), said once, since the defaults differ from an imported RecurrentGemma's.
+  changed = [f"model.{name}={_show(getattr(saved, name))} -> {_show(getattr(cfg, name))}"
+             for name in _FUNCTION_FIELDS if getattr(saved, name) != getattr(cfg, name)]
+  if saved.resolved_block_types != cfg.resolved_block_types:
+    changed.append("model.block_types (local and global attention)")
+  if changed:
+    data.sources.warn_once(
+        f"init_from {path}", f"init_from={path!r} was trained with other settings that keep "
+        f"its shapes, so its weights start as another model: {'; '.join(changed)}")
   return []
+
+
+_FUNCTION_FIELDS = ("attention_window_size", "embeddings_scale_by_sqrt_dim", "logits_soft_cap")
 
 
 def _show(value) -> str:

@@ -201,3 +201,23 @@ def test_a_user_error_prints_no_traceback_from_the_command_line(tmp_path):
                     check=False)
   assert proc.returncode == 2
   assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_init_from_with_other_settings_that_keep_the_shapes_warns(tmp_path, monkeypatch, caplog):
+  import dataclasses
+  from recurrentgemma_jax import checkpoint, configlib
+  from recurrentgemma_jax import model as model_lib
+  ours = model_lib.ModelConfig(vocab_size=259, width=32, num_layers=3, num_heads=2,
+                               logits_soft_cap=0.0, embeddings_scale_by_sqrt_dim=False)
+  saved = dataclasses.replace(ours, logits_soft_cap=30.0, embeddings_scale_by_sqrt_dim=True,
+                              block_types=("recurrent", "recurrent", "global_attention"))
+  monkeypatch.setattr(checkpoint, "resolve_model_dir", lambda path: path)
+  monkeypatch.setattr(checkpoint, "read_model_config", lambda path: (saved, {}))
+  with caplog.at_level("WARNING"):
+    assert configlib._init_from_errors(str(tmp_path), ours) == []  # allowed, and said
+  [message] = [r.getMessage() for r in caplog.records if "init_from" in r.getMessage()]
+  assert "model.logits_soft_cap=30.0 -> 0.0" in message
+  assert "model.embeddings_scale_by_sqrt_dim=True -> False" in message
+  assert "model.block_types (local and global attention)" in message
+  caplog.clear()
+  assert configlib._init_from_errors(str(tmp_path / "x"), ours)  # (does not exist: an error)
