@@ -8,7 +8,7 @@ Per head, with ``K = expand_k * D / heads`` and ``V = expand_v * D / heads``::
     y = W_o (RMSNorm_head(o) * swish(x W_r + b_r))
 
 The recurrence runs in ``pallas_kernels.chunk_gla`` (chunkwise-parallel) on TPU and GPU and in
-its pure-JAX chunked reference on CPU (``model.gla_impl``); a document boundary
+its pure-JAX chunked reference on CPU (``pallas_kernels.dispatch.gla_path``); a document boundary
 (``segment_pos == 0``) zeroes the state.
 """
 

@@ -98,6 +98,7 @@ def test_a_config_that_does_not_fit_exits_1_with_one_line(tmp_path):
     ["--topology", "v5p-8", "--config.mesh.data=3"],  # 3 does not divide the 4 chips
     ["--topology", "v5e-4", "--config.model.nope=1"],  # no such config field
     ["--config.seq_len=128"],                         # no --topology
+    ["--topology", "v4-8", "--config.model.family=gla"],  # chunk_gla does not lower for v4
 ])
 def test_bad_input_exits_2_with_one_line_and_compiles_nothing(args):
   proc = run_script("compile_tpu.py", *args, check=False)
