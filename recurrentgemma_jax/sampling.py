@@ -63,7 +63,7 @@ def choose(logits, key, temperature: float, top_k: int, top_p: float):
   if temperature == 0.0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   logits = logits.astype(jnp.float32) / temperature
-  if top_k:
+  if top_k and top_k < logits.shape[-1]:  # (the whole vocabulary or more: no truncation)
     kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
     logits = jnp.where(logits < kth, -jnp.inf, logits)
   if top_p < 1.0:
@@ -74,6 +74,46 @@ def choose(logits, key, temperature: float, top_k: int, top_p: float):
     cutoff = jnp.min(jnp.where(before < top_p, sorted_logits, jnp.inf), axis=-1, keepdims=True)
     logits = jnp.where(logits < cutoff, -jnp.inf, logits)
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+class TextStream:
+  """The text of sampled tokens, piece by piece as it becomes final: :meth:`push` takes one
+  token and returns the text it completes (often ""), :meth:`flush` what is left at the end.
+
+  A character can be cut between tokens (UTF-8 bytes of the byte tokenizer, SentencePiece's
+  byte-fallback pieces), and decoding the cut part gives U+FFFD: text that ends in U+FFFD is
+  held back until more tokens arrive, up to ``MAX_HELD`` tokens (a UTF-8 character has at most
+  4 bytes, so a longer run is a U+FFFD the model really produced). Only the tokens since the
+  last piece are decoded, after the piece before them (the context a SentencePiece decoder
+  needs for a word's leading space), so each token costs the same however long the output;
+  ``context`` (the prompt's ids) gives the first piece its context."""
+
+  MAX_HELD = 4
+  CONTEXT = 4  # the prompt's last tokens decoded before the first piece
+
+  def __init__(self, decode: Callable[[Sequence[int]], str], context: Sequence[int] = ()):
+    self._decode = decode
+    self._ids = [int(i) for i in context][-self.CONTEXT:]
+    self._start = 0                # the window decoded: ids[start:]
+    self._read = len(self._ids)    # ids[start:read] are the context, already printed
+
+  def push(self, token: int) -> str:
+    self._ids.append(int(token))
+    text = self._decode(self._ids[self._start:])
+    if text.endswith("\ufffd") and len(self._ids) - self._read < self.MAX_HELD:
+      return ""  # maybe a character whose last bytes are still to come
+    return self._advance(text)
+
+  def flush(self) -> str:
+    """The text held back (a character cut at the end shows as U+FFFD)."""
+    if self._read == len(self._ids):
+      return ""
+    return self._advance(self._decode(self._ids[self._start:]))
+
+  def _advance(self, text: str) -> str:
+    printed = self._decode(self._ids[self._start:self._read])
+    self._start, self._read = self._read, len(self._ids)
+    return text[len(printed):]
 
 
 def compiler_options(platform: str | None = None) -> dict:

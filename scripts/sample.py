@@ -23,14 +23,40 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from recurrentgemma_jax import cli  # pylint: disable=g-import-not-at-top
 
 
+def check_flags(args) -> None:
+  """The sampling flags, checked before anything is read or compiled: one ConfigError line."""
+  from recurrentgemma_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  if args.max_new_tokens <= 0:
+    raise ConfigError(f"--max_new_tokens={args.max_new_tokens} must be > 0")
+  if not 0 <= args.temperature < float("inf"):  # (NaN too)
+    raise ConfigError(f"--temperature={args.temperature} must be >= 0 and finite (0: greedy)")
+  if args.top_k < 0:
+    raise ConfigError(f"--top_k={args.top_k} must be >= 0 (0: no top-k truncation)")
+  if not 0 < args.top_p <= 1:
+    raise ConfigError(f"--top_p={args.top_p} must be in (0, 1] (1: no nucleus truncation)")
+  if args.temperature == 0 and (args.top_k or args.top_p != 1):
+    given = " and ".join(f"--{name}" for name, unset in (("top_k", 0), ("top_p", 1.0))
+                         if getattr(args, name) != unset)
+    verb = "apply" if " and " in given else "applies"
+    raise ConfigError(f"{given} {verb} only when sampling; --temperature=0 decodes greedily "
+                      "(give --temperature > 0, e.g. 0.8)")
+  if not args.memory_limit_gib >= 0:  # (NaN too)
+    raise ConfigError(f"--memory_limit_gib={args.memory_limit_gib} must be >= 0")
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--checkpoint", required=True)
   parser.add_argument("--prompt", required=True)
   parser.add_argument("--max_new_tokens", type=int, default=200)
-  parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-  parser.add_argument("--top_k", type=int, default=0)
-  parser.add_argument("--top_p", type=float, default=1.0)
+  parser.add_argument("--temperature", type=float, default=0.0,
+                      help="0: greedy (then --top_k and --top_p are refused)")
+  parser.add_argument("--top_k", type=int, default=0,
+                      help="sample among the k likeliest tokens (0, or the vocabulary's size or "
+                      "more: all of them)")
+  parser.add_argument("--top_p", type=float, default=1.0,
+                      help="sample among the likeliest tokens whose probability reaches p, in "
+                      "(0, 1] (1: all)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--tokenizer", default=None, help="'byte' or a SentencePiece .model")
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -39,6 +65,7 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
 
   with cli.user_errors():
+    check_flags(args)  # (before jax is imported: a mistyped flag costs no start-up)
     import dataclasses  # pylint: disable=g-import-not-at-top
     import time  # pylint: disable=g-import-not-at-top
     import jax  # pylint: disable=g-import-not-at-top
@@ -46,12 +73,6 @@ def main(argv=None) -> None:
     from recurrentgemma_jax import aot, data, sampling  # pylint: disable=g-import-not-at-top
     from recurrentgemma_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
 
-    if args.max_new_tokens <= 0 or args.temperature < 0 or args.top_k < 0 or not (
-        0 < args.top_p <= 1):
-      raise ConfigError("--max_new_tokens must be > 0, --temperature >= 0, --top_k >= 0 and "
-                        "--top_p in (0, 1]")
-    if not args.memory_limit_gib >= 0:  # (NaN too)
-      raise ConfigError(f"--memory_limit_gib={args.memory_limit_gib} must be >= 0")
     device = jax.local_devices()[0]
     model = aot.checkpoint_model(args.checkpoint, device, dtype=args.dtype)
     name = args.tokenizer or model.meta.get("tokenizer")
@@ -64,22 +85,21 @@ def main(argv=None) -> None:
       raise ConfigError(f"tokenizer {name!r} has {tokenizer.vocab_size} ids but the model only "
                         f"{model.cfg.vocab_size}")
 
-    generated: list[int] = []
-    printed = [0]
-
-    def stream(tokens, done):
-      if done[0]:
-        return
-      generated.append(int(tokens[0]))
-      text = tokenizer.decode(generated)
-      sys.stdout.write(text[printed[0]:])
-      sys.stdout.flush()
-      printed[0] = len(text)
-
     params = sampling.SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, stop_tokens=(tokenizer.eos_id,), seed=args.seed)
     prompt = [tokenizer.bos_id] + tokenizer.encode(args.prompt)
+    # Text is printed once final: a character cut between tokens waits for its last byte.
+    text = sampling.TextStream(tokenizer.decode, context=prompt)
+
+    def stream(tokens, done):
+      if done[0]:
+        return
+      piece = text.push(int(tokens[0]))
+      if piece:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
     # The fit check: the prefill and decode loop compiled for abstract parameters (nothing
     # read or allocated yet), its memory against the device's; the compiled program then runs.
     # Its line goes to stderr: stdout carries the text only.
@@ -104,7 +124,7 @@ def main(argv=None) -> None:
     print(args.prompt, end="", flush=True)
     jax.block_until_ready(program.compiled(state, *inputs[args.max_new_tokens]))
     jax.effects_barrier()  # every token streamed
-    print()
+    print(text.flush())
 
 
 if __name__ == "__main__":

@@ -101,6 +101,54 @@ def test_sampling_controls():
   np.testing.assert_array_equal(np.stack(seen, axis=1), greedy.tokens[:, :4])
 
 
+def test_top_k_of_the_whole_vocabulary_or_more_truncates_nothing():
+  logits = jnp.asarray([[0.0, 1.0, 2.0], [3.0, 0.0, 1.0]])
+  key = jax.random.PRNGKey(0)
+  for top_k in (3, 1000):
+    np.testing.assert_array_equal(sampling.choose(logits, key, 1.0, top_k, 1.0),
+                                  sampling.choose(logits, key, 1.0, 0, 1.0))
+
+
+def streamed(stream, tokens) -> list[str]:
+  return [stream.push(t) for t in tokens] + [stream.flush()]
+
+
+def test_text_stream_prints_characters_cut_between_tokens_once_whole():
+  from recurrentgemma_jax.data import tokenizers
+  byte = tokenizers.ByteTokenizer()
+  text = "café € 😀 naïve"
+  pieces = streamed(sampling.TextStream(byte.decode, context=byte.encode("x")),
+                    byte.encode(text))
+  assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces), pieces
+  # the bytes of "é" print as "é" with its last byte, not as U+FFFD before it
+  assert pieces[3:5] == ["", "é"]
+  # a character cut by the end of sampling: its bytes so far, as U+FFFD, at the flush
+  cut = streamed(sampling.TextStream(byte.decode), byte.encode("ok €")[:-1])
+  assert "".join(cut[:-1]) == "ok " and cut[-1] == "\ufffd"
+  # a U+FFFD the model produced (a byte that starts no character) is printed, if late
+  lone = streamed(sampling.TextStream(byte.decode), [0x80 + 3] + byte.encode("abc"))
+  assert "".join(lone) == "\ufffdabc"
+
+
+def test_text_stream_with_sentencepiece_byte_fallback_and_leading_spaces(tmp_path):
+  import sentencepiece as spm
+  from recurrentgemma_jax.data import tokenizers
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog"
+                              for i in range(100)))
+  spm.SentencePieceTrainer.train(
+      input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=300, byte_fallback=True,
+      pad_id=0, eos_id=1, bos_id=2, unk_id=3, minloglevel=2)
+  sp = tokenizers.SentencePieceTokenizer(str(tmp_path / "sp.model"))
+  prompt, text = "the quick", " brown fox à la crème 😀 jumps"
+  ids = sp.encode(prompt + text)
+  prefix = len(sp.encode(prompt))
+  assert sp.decode(ids[:prefix]) == prompt and len(ids) > prefix + 10  # (byte pieces)
+  pieces = streamed(sampling.TextStream(sp.decode, context=[sp.bos_id] + ids[:prefix]),
+                    ids[prefix:])
+  assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces), pieces
+
+
 def test_gpu_compiler_options_reach_the_sampling_compile(monkeypatch):
   """Where the program targets a GPU, sample() and lower_sample() compile with
   ``sampling.GPU_COMPILER_OPTIONS`` (shown by an option XLA rejects), and the tokens do not
