@@ -712,28 +712,35 @@ class CheckpointModel:
   graphdef: Any
   state: Any         # nnx.State of ShapeDtypeStructs placed with ``sharding``
   sharding: jax.sharding.Sharding
+  # ``path`` and, for a training workdir, its older steps: what a damaged step falls back to
+  dirs: list = dataclasses.field(default_factory=list)
 
   def restore(self):
-    """The parameters, read from the checkpoint and placed as ``state`` says."""
+    """The parameters, read from the checkpoint and placed as ``state`` says; a workdir's step
+    that cannot be read gives way to the one before it, with a warning line on stderr
+    (``checkpoint.restore_newest``)."""
     from recurrentgemma_jax import checkpoint  # pylint: disable=g-import-not-at-top
     shardings = jax.tree.map(lambda _: self.sharding, self.state)
-    return checkpoint.restore_params(self.path, self.state, shardings, cfg=self.cfg)
+    params, self.path = checkpoint.restore_newest(self.dirs or [self.path], self.state,
+                                                  shardings, cfg=self.cfg)
+    return params
 
 
 def checkpoint_model(path: str, device, **overrides) -> CheckpointModel:
-  """The model of the checkpoint (or workdir) at ``path`` built abstractly from its model
-  config, ``overrides`` replacing fields that keep the parameter shapes (``dtype``), its
-  parameters to be placed on ``device``. Reads the model config only."""
+  """The model of the checkpoint (or workdir: its newest step whose config reads) at ``path``
+  built abstractly from its model config, with this machine's kernel choices
+  (``checkpoint.portable``: a checkpoint trained with a GPU's kernels runs on a CPU),
+  ``overrides`` replacing fields that keep the parameter shapes (``dtype``), its parameters to
+  be placed on ``device``. Reads the model config only."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from recurrentgemma_jax import checkpoint, model  # pylint: disable=g-import-not-at-top
-  path = checkpoint.resolve_model_dir(os.path.abspath(path))
-  cfg, meta = checkpoint.read_model_config(path)
-  cfg = dataclasses.replace(cfg, **overrides)
+  dirs, cfg, meta = checkpoint.newest_readable_config(path)
+  cfg = dataclasses.replace(checkpoint.portable(cfg), **overrides)
   graphdef, state = nnx.split(nnx.eval_shape(lambda: model.init_model(cfg)))
   sharding = jax.sharding.SingleDeviceSharding(device)
   state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                        state)
-  return CheckpointModel(path, cfg, meta, graphdef, state, sharding)
+  return CheckpointModel(dirs[0], cfg, meta, graphdef, state, sharding, dirs)
 
 
 # -- decoding on one chip ------------------------------------------------------------------------

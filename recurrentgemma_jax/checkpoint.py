@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+import sys
+from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
@@ -45,21 +46,105 @@ def _is_model_dir(path: str) -> bool:
   return all(os.path.isdir(os.path.join(path, item)) for item in (PARAMS, MODEL_CONFIG))
 
 
-def resolve_model_dir(path: str) -> str:
-  """A model directory from a model directory, a training workdir or its ``checkpoints/``."""
-  if not os.path.exists(path):
-    raise CheckpointError(f"checkpoint {path!r} does not exist")
-  if _is_model_dir(path):
-    return path
+def is_ours(path: str) -> bool:
+  """Whether ``path`` is one of this package's model directories or training workdirs."""
+  return _is_model_dir(path) or bool(_workdir_steps(path))
+
+
+def _workdir_steps(path: str) -> list[str]:
   ckpt_dir = os.path.join(path, "checkpoints") if os.path.isdir(
       os.path.join(path, "checkpoints")) else path
-  for step in committed_steps(ckpt_dir):
-    candidate = os.path.join(ckpt_dir, str(step))
-    if _is_model_dir(candidate):
-      return candidate
-  raise CheckpointError(
-      f"checkpoint {path!r} has no '{PARAMS}' and '{MODEL_CONFIG}' items (expected a directory "
-      "written by scripts/import_recurrentgemma.py or a training workdir)")
+  return [os.path.join(ckpt_dir, str(step)) for step in committed_steps(ckpt_dir)
+          if _is_model_dir(os.path.join(ckpt_dir, str(step)))]
+
+
+# What a bare Orbax tree (the official RecurrentGemma checkpoints) holds at its top.
+_ORBAX_TREE_FILES = ("_METADATA", "manifest.ocdbt", "checkpoint")
+
+
+def _not_ours(path: str) -> str:
+  importer = f"import it first: python3 scripts/import_recurrentgemma.py --src {path} --dst OUT"
+  if os.path.isfile(os.path.join(path, "config.json")):
+    return f"checkpoint {path!r} is a transformers directory, not ours; {importer}"
+  if any(os.path.exists(os.path.join(path, f)) for f in _ORBAX_TREE_FILES):
+    return (f"checkpoint {path!r} is a bare Orbax parameter tree (an official RecurrentGemma "
+            f"checkpoint?), not ours; {importer}")
+  return (f"checkpoint {path!r} has no '{PARAMS}' and '{MODEL_CONFIG}' items (expected a "
+          "directory written by scripts/import_recurrentgemma.py or a training workdir)")
+
+
+def model_dirs(path: str) -> list[str]:
+  """The model directories ``path`` names, the one to use first: a training workdir's (or its
+  ``checkpoints/``') committed steps, newest first, else ``path`` itself. Where a directory is
+  both a model directory and a workdir (trained with it as ``--workdir``), its newest step
+  wins: the model at its top is the older."""
+  if not os.path.exists(path):
+    raise CheckpointError(f"checkpoint {path!r} does not exist")
+  steps = _workdir_steps(path)
+  if steps:
+    return steps
+  if _is_model_dir(path):
+    return [path]
+  raise CheckpointError(_not_ours(path))
+
+
+def resolve_model_dir(path: str) -> str:
+  """A model directory from a model directory, a training workdir or its ``checkpoints/``
+  (the newest step: :func:`model_dirs`)."""
+  return model_dirs(path)[0]
+
+
+def _warn(line: str) -> None:
+  print(line, file=sys.stderr, flush=True)
+
+
+def newest_readable_config(path: str, warn: Callable[[str], None] = _warn
+                           ) -> tuple[list[str], model_lib.ModelConfig, dict[str, Any]]:
+  """``(model directories, config, raw JSON)``: of the model directories ``path`` names
+  (:func:`model_dirs`), the first whose model config reads, and the older ones after it (what
+  :func:`restore_newest` may fall back to). A workdir's step whose config cannot be read is
+  skipped with a ``warn`` line; the last one's error is raised."""
+  dirs = model_dirs(os.path.abspath(path))
+  for i, candidate in enumerate(dirs):
+    try:
+      cfg, meta = read_model_config(candidate)
+    except CheckpointError as e:
+      if i + 1 == len(dirs):
+        raise
+      warn(f"warning: {e}; using the step before it, {os.path.basename(dirs[i + 1])}")
+      continue
+    return dirs[i:], cfg, meta
+  raise AssertionError("unreachable")  # (model_dirs returns at least one)
+
+
+def restore_newest(dirs: list[str], params_abstract: nnx.State, shardings=None, *,
+                   cfg: model_lib.ModelConfig | None = None,
+                   warn: Callable[[str], None] = _warn) -> tuple[nnx.State, str]:
+  """``(restore_params of dirs[0], dirs[0])``, or, when its parameters cannot be read (a step
+  damaged on disk), of the next of ``dirs`` that can (a training workdir's older steps, from
+  :func:`newest_readable_config`), with a ``warn`` line per step skipped. Nothing is moved:
+  training sets a damaged step aside when it resumes. The last one's error is raised."""
+  for i, candidate in enumerate(dirs):
+    try:
+      return restore_params(candidate, params_abstract, shardings, cfg=cfg), candidate
+    except CheckpointError as e:
+      if i + 1 == len(dirs):
+        raise
+      warn(f"warning: {e}; using the step before it, {os.path.basename(dirs[i + 1])}")
+  raise AssertionError("unreachable")  # (dirs is not empty)
+
+
+# ModelConfig fields that choose how a model runs on one platform (a kernel, cuDNN) and
+# change no parameter: a checkpoint trained on GPUs with attention_impl=cudnn would not run
+# on a CPU or TPU. Loading a checkpoint for evaluation, sampling or export sets them to
+# auto, which picks what the machine it runs on has.
+PLATFORM_FIELDS = ("scan_impl", "attention_impl", "fused_rg_lru", "gate_impl", "mlp_impl",
+                   "conv1d_impl", "norm_impl", "decode_impl", "loss_impl")
+
+
+def portable(cfg: model_lib.ModelConfig) -> model_lib.ModelConfig:
+  """``cfg`` with every :data:`PLATFORM_FIELDS` field ``auto``."""
+  return dataclasses.replace(cfg, **{name: "auto" for name in PLATFORM_FIELDS})
 
 
 def read_json_item(path: str, item: str) -> dict[str, Any]:
@@ -147,11 +232,19 @@ def restore_params(path: str, params_abstract: nnx.State, shardings=None, *,
         **{PARAMS: ocp.args.StandardRestore(relayout(target, cfg, saved_cfg))}))[PARAMS]
   except Exception as e:  # Orbax raises many types for a damaged or mismatched tree.
     raise CheckpointError(f"checkpoint {path!r}: cannot restore '{PARAMS}': "
-                          f"{first_line(e)}") from None
+                          f"{first_line(_innermost(e))}") from None
   if saved_cfg.layers_scanned != cfg.layers_scanned:
     placed = {} if shardings is None else {"out_shardings": shardings}
     restored = jax.jit(lambda tree: relayout(tree, saved_cfg, cfg), **placed)(restored)
   return state_from_pure_dict(params_abstract, restored)
+
+
+def _innermost(e: BaseException) -> BaseException:
+  """The exception at the bottom of ``e``'s causes: for a damaged file, TensorStore's reason
+  (``OUT_OF_RANGE: Error reading ...``) where Orbax's own message is a page of its spec."""
+  while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+    e = e.__cause__ or e.__context__
+  return e
 
 
 def relayout(tree, from_cfg: model_lib.ModelConfig, to_cfg: model_lib.ModelConfig):
@@ -183,13 +276,15 @@ def state_from_pure_dict(like: nnx.State, pure: dict) -> nnx.State:
 
 
 def load_model(path: str, **overrides) -> tuple[model_lib.Model, dict[str, Any]]:
-  """Builds the model of a checkpoint and restores its parameters.
+  """Builds the model of a checkpoint and restores its parameters (a workdir: its newest
+  readable step, :func:`restore_newest`).
 
-  ``overrides`` replace config fields that do not change parameter shapes (``dtype``,
-  ``scan_impl``, ``attention_window_size``, ``scan_layers``, ...).
+  The kernel choices are this machine's (:func:`portable`); ``overrides`` replace config
+  fields that do not change parameter shapes (``dtype``, ``scan_impl``,
+  ``attention_window_size``, ``scan_layers``, ...).
   """
-  path = resolve_model_dir(os.path.abspath(path))
-  cfg, meta = read_model_config(path)
-  cfg = dataclasses.replace(cfg, **overrides)
+  dirs, cfg, meta = newest_readable_config(path)
+  cfg = dataclasses.replace(portable(cfg), **overrides)
   graphdef, params_abstract = nnx.split(nnx.eval_shape(lambda: model_lib.init_model(cfg)))
-  return nnx.merge(graphdef, restore_params(path, params_abstract, cfg=cfg)), meta
+  params, _ = restore_newest(dirs, params_abstract, cfg=cfg)
+  return nnx.merge(graphdef, params), meta

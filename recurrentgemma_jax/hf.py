@@ -514,18 +514,17 @@ def import_checkpoint(src: str, dst: str, *, tokenizer: str | None = None
 
 def read_checkpoint_params(path: str) -> tuple[model_lib.ModelConfig, dict, dict]:
   """``(config, per-layer parameter tree of NumPy arrays, raw model_config JSON)`` of one of
-  our checkpoints or training workdirs (a layer-stacked tree is sliced, not copied)."""
-  path = checkpoint.resolve_model_dir(os.path.abspath(path))
-  cfg, meta = checkpoint.read_model_config(path)
+  our checkpoints or training workdirs (its newest readable step; a layer-stacked tree is
+  sliced, not copied)."""
+  dirs, cfg, meta = checkpoint.newest_readable_config(path)
   problem = export_problem(cfg)
   if problem:
-    raise CheckpointError(f"checkpoint {path!r} cannot be exported to transformers: {problem}")
-  # Settings that change no parameter shape, set so that any machine can build the model.
-  cfg = dataclasses.replace(cfg, attention_impl="xla", gate_impl="xla", fused_rg_lru="false",
-                            scan_impl="auto")
+    raise CheckpointError(f"checkpoint {dirs[0]!r} cannot be exported to transformers: "
+                          f"{problem}")
+  cfg = checkpoint.portable(cfg)  # (any machine builds the model: no kernel of another's)
   abstract = nnx.state(nnx.eval_shape(lambda: model_lib.init_model(cfg)))
-  tree = nnx.to_pure_dict(checkpoint.restore_params(path, abstract, cfg=cfg))
-  tree = jax.tree.map(np.asarray, tree)
+  params, _ = checkpoint.restore_newest(dirs, abstract, cfg=cfg)
+  tree = jax.tree.map(np.asarray, nnx.to_pure_dict(params))
   if cfg.layers_scanned:
     tree = model_lib.unstack_layers(tree, cfg)
   return cfg, tree, meta

@@ -40,6 +40,7 @@ def main(argv=None) -> None:
   parser.add_argument("--train_len", type=int, default=0,
                       help="training sequence length, marked on the plot (0: none)")
   args = parser.parse_args(argv)
+  cli.quiet_background_failures()  # (a damaged checkpoint: its one line, not Orbax's pages)
 
   with cli.user_errors():
     import time  # pylint: disable=g-import-not-at-top

@@ -31,6 +31,7 @@ def main(argv=None) -> None:
   parser.add_argument("--max_shard_bytes", type=int, default=5 * 10**9,
                       help="largest safetensors file before splitting into shards")
   args = parser.parse_args(argv)
+  cli.quiet_background_failures()  # (a damaged checkpoint: its one line, not Orbax's pages)
 
   with cli.user_errors():
     from recurrentgemma_jax import hf  # pylint: disable=g-import-not-at-top

@@ -43,6 +43,7 @@ def main(argv=None) -> None:
   parser.add_argument("--tokenizer", default=None,
                       help="SentencePiece model to record with the checkpoint (optional)")
   args = parser.parse_args(argv)
+  cli.quiet_background_failures()  # (a damaged checkpoint: its one line, not Orbax's pages)
   given = {name: getattr(args, name) for name in OFFICIAL_DEFAULTS
            if getattr(args, name) is not None}
 
@@ -56,6 +57,9 @@ def main(argv=None) -> None:
       raise CheckpointError(f"--src {args.src!r} is not a directory")
     if os.path.exists(args.dst):
       raise CheckpointError(f"--dst {args.dst!r} already exists; choose a new directory")
+    if checkpoint.is_ours(src):
+      raise CheckpointError(f"--src {args.src!r} is already a recurrentgemma_jax checkpoint "
+                            "(or training workdir): sample, evaluate or export it as it is")
     if hf.is_hf_dir(src):
       if given:
         raise CheckpointError(f"--{next(iter(given))} applies to official checkpoints; --src "

@@ -63,6 +63,7 @@ def main(argv=None) -> None:
   parser.add_argument("--memory_limit_gib", type=float, default=0.0,
                       help="memory per device to check the program against (0: the device's)")
   args = parser.parse_args(argv)
+  cli.quiet_background_failures()  # (a damaged checkpoint: its one line, not Orbax's pages)
 
   with cli.user_errors():
     check_flags(args)  # (before jax is imported: a mistyped flag costs no start-up)

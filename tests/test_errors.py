@@ -190,6 +190,8 @@ def test_attention_impl_is_only_checked_where_the_model_has_attention():
     ("import_recurrentgemma", ["--src=/nonexistent", "--dst={root}/x"], "is not a directory"),
     ("import_recurrentgemma", ["--src={root}/exists", "--dst={root}/exists"], "already exists"),
     ("import_recurrentgemma", ["--src={root}/not_a_checkpoint", "--dst={root}/y"],
+     "is already a recurrentgemma_jax checkpoint"),
+    ("import_recurrentgemma", ["--src={root}/exists", "--dst={root}/y"],
      "is not a readable Orbax checkpoint"),
 ])
 def test_other_scripts_reject_bad_input_with_one_line(script, args, expected, files, capsys):
