@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 from typing import Any, Callable
 
@@ -32,14 +33,25 @@ PARAMS = "params"
 MODEL_CONFIG = "model_config"
 
 
+TOKENIZER = "tokenizer.model"  # a SentencePiece tokenizer's copy in a model directory
+
+
 def save_model(path: str, params: dict, cfg: model_lib.ModelConfig, *,
                tokenizer: str | None = None) -> None:
-  """Writes ``params`` and the config to ``path`` (which must not exist yet)."""
+  """Writes ``params`` and the config to ``path`` (which must not exist yet). ``tokenizer``:
+  ``"byte"``, None, or a SentencePiece file, which is copied into ``path`` as
+  ``tokenizer.model`` and recorded by that copy's absolute path: the checkpoint then samples
+  from any directory, whatever the path was relative to."""
+  if tokenizer not in (None, "byte") and not os.path.isfile(tokenizer):
+    raise CheckpointError(f"tokenizer {tokenizer!r} is not a file")
+  path = os.path.abspath(path)
   meta = dataclasses.asdict(cfg)
-  meta["tokenizer"] = tokenizer
+  meta["tokenizer"] = tokenizer if tokenizer in (None, "byte") else os.path.join(path, TOKENIZER)
   ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-  ckptr.save(os.path.abspath(path), ocp.args.Composite(
+  ckptr.save(path, ocp.args.Composite(
       **{PARAMS: ocp.args.StandardSave(params), MODEL_CONFIG: ocp.args.JsonSave(meta)}))
+  if meta["tokenizer"] not in (None, "byte"):
+    shutil.copyfile(tokenizer, meta["tokenizer"])
 
 
 def _is_model_dir(path: str) -> bool:

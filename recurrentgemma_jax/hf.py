@@ -30,6 +30,7 @@ import math
 import os
 import shutil
 import struct
+import sys
 from typing import Any, Callable
 
 import jax
@@ -247,25 +248,38 @@ def config_from_hf(hf: dict[str, Any], *, param_dtype: str = "float32",
   return cfg
 
 
-def export_problem(cfg: model_lib.ModelConfig) -> str | None:
-  """What in ``cfg`` transformers' RecurrentGemma cannot express (None: it can all be)."""
-  if cfg.family not in ("griffin", "hawk"):
-    return (f"model.family={cfg.family!r}: transformers' RecurrentGemma has only the griffin "
-            "and hawk families")
-  for block_type in cfg.resolved_block_types:
+def export_problems(cfg: model_lib.ModelConfig) -> list[str]:
+  """Everything in ``cfg`` that transformers' RecurrentGemma cannot express (empty: it can
+  all be): the griffin or hawk family with local attention only, one RG-LRU gate block per
+  head where there is attention, the embedding scaled by sqrt(width) and the logits capped
+  (RecurrentGemma's settings: configs/recurrentgemma.py, imported checkpoints)."""
+  problems = []
+  family = cfg.family in ("griffin", "hawk")
+  if not family:
+    problems.append(f"model.family={cfg.family!r}: transformers' RecurrentGemma has only the "
+                    "griffin and hawk families")
+  # (The blocks and gates of the other families follow from the family.)
+  for block_type in dict.fromkeys(cfg.resolved_block_types) if family else ():
     if block_type == "global_attention":
-      return ("a global attention block (no window): transformers' RecurrentGemma has only "
-              "local attention")
-    if block_type not in _TEMPORAL_TENSORS:
-      return f"a {block_type!r} block: transformers' RecurrentGemma has none"
-  if cfg.has_attention and cfg.resolved_gate_blocks != cfg.num_heads:
-    return (f"model.num_gate_blocks={cfg.resolved_gate_blocks} with model.num_heads="
-            f"{cfg.num_heads}: transformers uses one RG-LRU gate block per head")
+      problems.append("a global attention block (no window): transformers' RecurrentGemma has "
+                      "only local attention")
+    elif block_type not in _TEMPORAL_TENSORS:
+      problems.append(f"a {block_type!r} block: transformers' RecurrentGemma has none")
+  if family and cfg.has_attention and cfg.resolved_gate_blocks != cfg.num_heads:
+    problems.append(f"model.num_gate_blocks={cfg.resolved_gate_blocks} with model.num_heads="
+                    f"{cfg.num_heads}: transformers uses one RG-LRU gate block per head")
   if not cfg.embeddings_scale_by_sqrt_dim:
-    return "model.embeddings_scale_by_sqrt_dim=false: transformers always scales the embedding"
+    problems.append("model.embeddings_scale_by_sqrt_dim=false: transformers always scales the "
+                    "embedding")
   if cfg.logits_soft_cap <= 0:
-    return "model.logits_soft_cap=0: transformers always caps the logits"
-  return None
+    problems.append("model.logits_soft_cap=0: transformers always caps the logits")
+  return problems
+
+
+def export_problem(cfg: model_lib.ModelConfig) -> str | None:
+  """:func:`export_problems` as one line (None: there is none)."""
+  problems = export_problems(cfg)
+  return "; ".join(problems) if problems else None
 
 
 def hf_config(cfg: model_lib.ModelConfig, *, dtype: str,
@@ -300,6 +314,9 @@ def hf_config(cfg: model_lib.ModelConfig, *, dtype: str,
       "attention_bias": False,
       "tie_word_embeddings": True,
       "dtype": dtype,
+      # transformers before 4.56 reads only torch_dtype (from_pretrained's torch_dtype="auto");
+      # later ones read dtype and take torch_dtype, without a warning, where dtype is absent
+      "torch_dtype": dtype,
       **(special_ids or {}),
   }
 
@@ -491,24 +508,38 @@ def read_params(reader: SafetensorsReader, cfg: model_lib.ModelConfig) -> dict:
   return tree
 
 
+# Set in an exported config.json when the model was trained on bytes (data.tokenizers.
+# ByteTokenizer), which ship no tokenizer file: the import records "byte" again.
+BYTE_TOKENIZER_KEY = "recurrentgemma_jax_tokenizer"
+_BYTE_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # ByteTokenizer's
+_BYTE_VOCAB = 259
+
+
+def _is_byte_model(hf: dict[str, Any]) -> bool:
+  """Whether ``config.json`` is of a byte-level model we exported: marked, or (exported
+  before the mark) the byte tokenizer's vocabulary and special ids."""
+  if hf.get(BYTE_TOKENIZER_KEY) == "byte":
+    return True
+  return hf.get("vocab_size") == _BYTE_VOCAB and all(
+      hf.get(k) == v for k, v in _BYTE_IDS.items())
+
+
 def import_checkpoint(src: str, dst: str, *, tokenizer: str | None = None
                       ) -> model_lib.ModelConfig:
   """A transformers RecurrentGemma directory -> our checkpoint at ``dst`` (per-layer layout,
-  parameters in bfloat16 when every tensor is, else float32). A ``tokenizer.model`` beside the
-  weights is copied into ``dst`` and recorded, unless ``tokenizer`` names one."""
+  parameters in bfloat16 when every tensor is, else float32). ``tokenizer`` (a SentencePiece
+  file, copied into ``dst``: ``checkpoint.save_model``), else a ``tokenizer.model`` beside the
+  weights, else "byte" for a byte-level model we exported, is recorded with it."""
   hf = read_hf_config(src)
   with SafetensorsReader(src) as reader:
     cfg = config_from_hf(hf, param_dtype=_param_dtype(reader),
                          source=os.path.join(src, CONFIG))
     params = read_params(reader, cfg)
-  kept = os.path.join(src, TOKENIZER)
-  if tokenizer is None and os.path.isfile(kept):
-    tokenizer = os.path.join(os.path.abspath(dst), TOKENIZER)
-  else:
-    kept = None
+  if tokenizer is None and os.path.isfile(os.path.join(src, TOKENIZER)):
+    tokenizer = os.path.join(src, TOKENIZER)
+  elif tokenizer is None and _is_byte_model(hf):
+    tokenizer = "byte"
   checkpoint.save_model(dst, params, cfg, tokenizer=tokenizer)
-  if kept:
-    shutil.copyfile(kept, tokenizer)
   return cfg
 
 
@@ -544,8 +575,8 @@ def hf_tensors(cfg: model_lib.ModelConfig, tree: dict) -> list[tuple[str, np.nda
 
 
 def _special_ids(tokenizer: str | None) -> dict[str, int]:
-  if tokenizer == "byte":  # data.tokenizers.ByteTokenizer's ids
-    return {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+  if tokenizer == "byte":
+    return dict(_BYTE_IDS)
   if tokenizer and os.path.isfile(tokenizer):
     import sentencepiece  # pylint: disable=g-import-not-at-top
     sp = sentencepiece.SentencePieceProcessor()
@@ -556,20 +587,34 @@ def _special_ids(tokenizer: str | None) -> dict[str, int]:
   return {}
 
 
+def _warn(line: str) -> None:
+  print(line, file=sys.stderr, flush=True)
+
+
 def export_checkpoint(path: str, dst: str, *, dtype: str | None = None,
-                      max_shard_bytes: int = MAX_SHARD_BYTES
+                      max_shard_bytes: int = MAX_SHARD_BYTES,
+                      warn: Callable[[str], None] = _warn
                       ) -> tuple[model_lib.ModelConfig, list[str]]:
   """One of our griffin or hawk checkpoints (or a training workdir's latest) -> a directory
   that ``RecurrentGemmaForCausalLM.from_pretrained`` loads: ``config.json``, safetensors
   (``dtype``: the checkpoint's parameter dtype unless given) and the SentencePiece tokenizer
-  recorded with the checkpoint, if any. Returns the config and the files written."""
+  recorded with the checkpoint, if any (a byte-level model: its special ids and
+  ``BYTE_TOKENIZER_KEY``). A tokenizer that cannot be found is left out with a ``warn``
+  line. Returns the config and the files written."""
   cfg, tree, meta = read_checkpoint_params(path)
   dtype = dtype or (cfg.param_dtype if cfg.param_dtype in ("float32", "bfloat16") else "float32")
   tensors = hf_tensors(cfg, tree)
   tokenizer = meta.get("tokenizer")
-  if tokenizer and tokenizer != "byte" and not os.path.isfile(tokenizer):
-    tokenizer = None  # (recorded where it no longer is)
+  left_out = ("the export has no tokenizer.model and config.json no pad, bos and eos ids")
+  if not tokenizer:
+    warn(f"warning: checkpoint {path!r} records no tokenizer; {left_out}")
+  elif tokenizer != "byte" and not os.path.isfile(tokenizer):
+    warn(f"warning: the tokenizer {tokenizer!r} recorded with checkpoint {path!r} does not "
+         f"exist (from {os.getcwd()!r}); {left_out}")
+    tokenizer = None
   config = hf_config(cfg, dtype=dtype, special_ids=_special_ids(tokenizer))
+  if tokenizer == "byte":
+    config[BYTE_TOKENIZER_KEY] = "byte"
   os.makedirs(dst)
   try:
     files = write_safetensors(dst, tensors, model_lib.DTYPES[dtype], max_shard_bytes)

@@ -5,7 +5,7 @@
 
 ``IN.npy``: int32 ``[N, T]`` token ids, one sequence per row. ``OUT.npy``: float32 ``[N, T-1]``,
 the NLL (nats) of ``tokens[:, t+1]`` given ``tokens[:, :t+1]``. Prints the mean NLL and the
-perplexity. ``DIR`` is an imported checkpoint or a training workdir (its latest checkpoint).
+perplexity. ``DIR`` is an imported checkpoint or a training workdir (its latest readable step).
 
 Before it reads a parameter, the forward pass over ``--batch_size`` rows is compiled and its
 memory compared with the device's (or ``--memory_limit_gib``); one that does not fit exits 2

@@ -3,14 +3,22 @@
   python scripts/export_hf.py --checkpoint DIR --dst OUT [--dtype bfloat16|float32] \
       [--max_shard_bytes=5000000000]
 
-``DIR`` is an imported checkpoint or a training workdir (its latest checkpoint), with layers
+``DIR`` is an imported checkpoint or a training workdir (its latest readable step), with layers
 stacked (``model.scan_layers``) or not. ``OUT`` gets what ``RecurrentGemmaForCausalLM.
 from_pretrained`` loads: ``config.json``, the weights in safetensors (split into shards of at
 most ``--max_shard_bytes`` with ``model.safetensors.index.json`` when larger) and the
-SentencePiece ``tokenizer.model`` recorded with the checkpoint, if any. ``--dtype`` defaults to
-the checkpoint's parameter dtype. What transformers' model cannot express (the mqa and gla
-families, global attention, gate blocks other than the heads, no embedding scaling or logit
-cap) is refused with one line; ``recurrentgemma_jax/hf.py`` has the mapping.
+SentencePiece ``tokenizer.model`` recorded with the checkpoint (one that cannot be found is
+left out, with a warning line). ``--dtype`` defaults to the checkpoint's parameter dtype.
+
+Only RecurrentGemma's settings export: ``model.family`` griffin or hawk with local attention
+only, ``model.num_gate_blocks`` equal to ``model.num_heads`` (or 0) where there is attention,
+``model.embeddings_scale_by_sqrt_dim=true`` and ``model.logits_soft_cap`` > 0, as in
+configs/recurrentgemma.py and imported checkpoints. The Griffin paper's presets and
+configs/default.py have neither the scaling nor the cap: a run of them exports when trained
+with ``--config.model.embeddings_scale_by_sqrt_dim=true --config.model.logits_soft_cap=30``
+(a griffin or hawk preset: hawk any size; griffin 200m, 1.3b and 7b, whose heads divide the
+LRU width, with ``--config.model.num_gate_blocks=0`` too). Anything else is refused with one
+line naming every setting in the way; ``recurrentgemma_jax/hf.py`` has the mapping.
 """
 
 import argparse

@@ -11,10 +11,12 @@ The format of ``--src`` is detected:
 - a transformers directory (``config.json`` with ``model.safetensors`` or a sharded
   ``model.safetensors.index.json``, as on the HuggingFace hub): the architecture comes from
   ``config.json`` (the flags do not apply), the tensors are read one at a time, and a
-  ``tokenizer.model`` beside them is copied into ``--dst`` and recorded with the checkpoint.
+  ``tokenizer.model`` beside them is taken as ``--tokenizer`` (a byte-level model that
+  export_hf.py wrote records ``byte``).
 
 Either way the output holds the parameters per layer, in bfloat16 when the source's are all
-bfloat16, else float32.
+bfloat16, else float32, and a ``--tokenizer`` file is copied into ``--dst`` as
+``tokenizer.model`` and recorded by its absolute path, so sampling works from any directory.
 """
 
 import argparse
@@ -41,7 +43,8 @@ def main(argv=None) -> None:
   parser.add_argument("--embeddings_scale_by_sqrt_dim", type=cli.parse_bool, default=None,
                       help="default true")
   parser.add_argument("--tokenizer", default=None,
-                      help="SentencePiece model to record with the checkpoint (optional)")
+                      help="SentencePiece model to copy into --dst and record (optional; "
+                      "'byte' for a byte-level model)")
   args = parser.parse_args(argv)
   cli.quiet_background_failures()  # (a damaged checkpoint: its one line, not Orbax's pages)
   given = {name: getattr(args, name) for name in OFFICIAL_DEFAULTS
@@ -57,6 +60,8 @@ def main(argv=None) -> None:
       raise CheckpointError(f"--src {args.src!r} is not a directory")
     if os.path.exists(args.dst):
       raise CheckpointError(f"--dst {args.dst!r} already exists; choose a new directory")
+    if args.tokenizer not in (None, "byte") and not os.path.isfile(args.tokenizer):
+      raise CheckpointError(f"--tokenizer {args.tokenizer!r} is not a file")
     if checkpoint.is_ours(src):
       raise CheckpointError(f"--src {args.src!r} is already a recurrentgemma_jax checkpoint "
                             "(or training workdir): sample, evaluate or export it as it is")

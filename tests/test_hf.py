@@ -187,6 +187,8 @@ def test_training_checkpoint_round_trip(tmp_path, capsys, name):
   assert (config["pad_token_id"], config["bos_token_id"], config["eos_token_id"]) == (0, 1, 2)
   assert config["attention_window_size"] == cfg.attention_window_size + 1
   assert not (exported / "tokenizer.model").exists()  # (byte-level: nothing to ship)
+  assert config[hf.BYTE_TOKENIZER_KEY] == "byte"  # (and the import records it again)
+  assert config["torch_dtype"] == config["dtype"] == cfg.param_dtype
 
   files = sorted(os.listdir(exported))
   if cfg.family == "griffin":  # sharded: every tensor in the shard its index names
@@ -207,6 +209,7 @@ def test_training_checkpoint_round_trip(tmp_path, capsys, name):
 
   import_script.main([f"--src={exported}", f"--dst={again}"])
   assert "transformers" in capsys.readouterr().out
+  assert checkpoint.read_model_config(str(again))[1]["tokenizer"] == "byte"
   cfg_again, params_again = saved_params(again)
   assert cfg_again.param_dtype == cfg.param_dtype and not cfg_again.layers_scanned
   per_layer = dataclasses.replace(cfg, scan_layers=False)
@@ -245,6 +248,76 @@ def test_export_problem_names_the_setting(fields, message):
   cfg = model_lib.ModelConfig(family="griffin", width=16, num_heads=2, lru_width=16, **fields)
   assert message in hf.export_problem(cfg)
   assert hf.export_problem(model_lib.ModelConfig(family="hawk", num_gate_blocks=4)) is None
+
+
+def test_export_refusal_names_every_problem_at_once(tmp_path, capsys):
+  # (The Griffin paper's presets: gate blocks not the heads, no embedding scaling, no cap.)
+  path = tiny_checkpoint(tmp_path / "ckpt", num_gate_blocks=4,
+                         embeddings_scale_by_sqrt_dim=False, logits_soft_cap=0.0)
+  line = refused(capsys, export_script.main, f"--checkpoint={path}", f"--dst={tmp_path / 'x'}")
+  for message in ("one RG-LRU gate block per head", "always scales the embedding",
+                  "always caps the logits"):
+    assert message in line, line
+
+
+def test_a_relative_tokenizer_is_copied_in_and_exported_from_anywhere(tmp_path, capsys,
+                                                                      monkeypatch):
+  shutil.copyfile(os.path.join(DATA, "griffin", "tokenizer.model"), tmp_path / "sp.model")
+  monkeypatch.chdir(tmp_path)
+  # (attention_first has no tokenizer of its own)
+  import_script.main([f"--src={DATA}/attention_first", "--dst=ours", "--tokenizer=sp.model"])
+  _, meta = checkpoint.read_model_config(str(tmp_path / "ours"))
+  assert meta["tokenizer"] == str(tmp_path / "ours" / "tokenizer.model")
+  assert os.path.isfile(meta["tokenizer"])
+  elsewhere = tmp_path / "elsewhere"
+  elsewhere.mkdir()
+  monkeypatch.chdir(elsewhere)
+  capsys.readouterr()
+  export_script.main([f"--checkpoint={tmp_path / 'ours'}", "--dst=hf"])
+  assert "warning" not in capsys.readouterr().err
+  with open(elsewhere / "hf" / "config.json") as f:
+    config = json.load(f)
+  assert (elsewhere / "hf" / "tokenizer.model").exists()
+  assert (config["pad_token_id"], config["eos_token_id"], config["bos_token_id"]) == (0, 1, 2)
+  line = refused(capsys, import_script.main, f"--src={DATA}/attention_first", "--dst=again",
+                 "--tokenizer=sp.model")  # (relative to elsewhere: not there)
+  assert "--tokenizer 'sp.model' is not a file" in line
+
+
+def test_an_export_without_the_tokenizer_says_so_in_one_line(tmp_path, capsys):
+  path = tiny_checkpoint(tmp_path / "ckpt")  # records no tokenizer
+  capsys.readouterr()
+  export_script.main([f"--checkpoint={path}", f"--dst={tmp_path / 'a'}"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "records no tokenizer" in err[0], err
+  config_file = tmp_path / "ckpt" / "model_config" / "metadata"
+  with open(config_file) as f:
+    meta = json.load(f)
+  with open(config_file, "w") as f:
+    json.dump(meta | {"tokenizer": "moved/away.model"}, f)
+  export_script.main([f"--checkpoint={path}", f"--dst={tmp_path / 'b'}"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "'moved/away.model' recorded with checkpoint" in err[0], err
+  assert "does not exist" in err[0] and "no pad, bos and eos ids" in err[0]
+  with open(tmp_path / "b" / "config.json") as f:
+    assert "bos_token_id" not in json.load(f)
+  assert sorted(os.listdir(tmp_path / "b")) == ["config.json", hf.SINGLE_FILE]
+
+
+def test_a_byte_model_exported_before_the_mark_imports_as_byte_level(tmp_path):
+  path = tiny_checkpoint(tmp_path / "ckpt", vocab_size=259)
+  with open(tmp_path / "ckpt" / "model_config" / "metadata") as f:
+    meta = json.load(f)
+  with open(tmp_path / "ckpt" / "model_config" / "metadata", "w") as f:
+    json.dump(meta | {"tokenizer": "byte"}, f)
+  hf.export_checkpoint(path, str(tmp_path / "hf"))
+  with open(tmp_path / "hf" / "config.json") as f:
+    config = json.load(f)
+  del config[hf.BYTE_TOKENIZER_KEY]
+  with open(tmp_path / "hf" / "config.json", "w") as f:
+    json.dump(config, f)
+  hf.import_checkpoint(str(tmp_path / "hf"), str(tmp_path / "again"))
+  assert checkpoint.read_model_config(str(tmp_path / "again"))[1]["tokenizer"] == "byte"
 
 
 def edited_copy(tmp_path, name, **changes) -> str:
