@@ -8,6 +8,10 @@ The importer writes exactly this; a training step directory (``WORKDIR/checkpoin
 the same two items beside the optimizer state and the data position, so every script loads
 either with :func:`load_model`.
 
+A path given to a script may also be a training workdir: its newest step is loaded
+(:func:`model_dirs`), and the one before when the newest cannot be read
+(:func:`restore_newest`); the kernel choices are the loading machine's (:func:`portable`).
+
 The parameter tree's layer layout follows the config's ``scan_layers`` (absent in checkpoints
 written before it: per layer, as the importer still writes); restoring into a model of the
 other layout converts the tree (:func:`relayout`).

@@ -46,7 +46,7 @@ from recurrentgemma_jax.errors import CheckpointError, first_line
 CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-TOKENIZER = "tokenizer.model"
+TOKENIZER = checkpoint.TOKENIZER  # (the same name in both formats)
 # Shards are split above this size (bytes), as ``save_pretrained(max_shard_size="5GB")``.
 MAX_SHARD_BYTES = 5 * 10**9
 
