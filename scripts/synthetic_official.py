@@ -21,13 +21,16 @@ import os
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+# (first: on a machine without an accelerator it picks JAX's CPU backend before jax is imported)
+from recurrentgemma_jax import cli  # pylint: disable=g-import-not-at-top,unused-import
+
+import jax  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import numpy as np  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 from recurrentgemma_jax import configlib, train  # pylint: disable=g-import-not-at-top
 from recurrentgemma_jax.data import synthetic  # pylint: disable=g-import-not-at-top
