@@ -46,10 +46,10 @@ FAMILY_PATTERNS = {
     "mqa": ("global_attention",),
     "gla": ("gla",),
 }
-# The block types a model of each family may list in ``block_types`` (Griffin: any mix of
-# recurrent and attention blocks, e.g. the synthetic tasks' Hawk and MQA baselines).
+# The block types a model of each family may list in ``block_types``. Griffin, the mixed
+# family, takes any mix (the synthetic tasks' Hawk and MQA baselines, hybrids with GLA blocks).
 FAMILY_BLOCKS = {
-    "griffin": ("recurrent", "attention", "global_attention"),
+    "griffin": BLOCK_TYPES,
     "hawk": ("recurrent",),
     "mqa": ("attention", "global_attention"),
     "gla": ("gla",),

@@ -197,7 +197,7 @@ def test_checkpoint_from_one_mesh_restores_on_others(tmp_path):
         plan.abstract_state, print, plan.model_cfg)
     assert int(state["step"]) == 2
     batches = data.make_train_iterator(config)
-    batches.set_state(data_state)
+    batches.set_state(train.own_data_state(data_state, (0, 1), print))
     batch = {k: jax.device_put(v, plan.batch_sharding) for k, v in next(batches).items()}
     _, metrics = plan.jit_train_step(1)(state, batch)
     next_losses[mesh] = float(metrics["loss"])
