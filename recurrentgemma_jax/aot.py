@@ -207,10 +207,10 @@ def validate(config: ml_collections.ConfigDict, devices) -> None:
   """``configlib.validate`` for a run on ``devices`` (one process per host)."""
   processes = len({d.process_index for d in devices})
   configlib.validate(config, process_count=processes, device_count=len(devices))
-  device_errors(config, devices)
+  check_devices(config, devices)
 
 
-def device_errors(config: ml_collections.ConfigDict, devices) -> None:
+def check_devices(config: ml_collections.ConfigDict, devices) -> None:
   """What the config asks of kernels that ``devices`` cannot compile: a ConfigError."""
   blocks = config.model.block_types or config.model.family
   if "gla" in blocks and any(d.device_kind == "TPU v4" for d in devices):

@@ -58,20 +58,20 @@ def save_model(path: str, params: dict, cfg: model_lib.ModelConfig, *,
     shutil.copyfile(tokenizer, meta["tokenizer"])
 
 
-def _is_model_dir(path: str) -> bool:
+def is_model_dir(path: str) -> bool:
   return all(os.path.isdir(os.path.join(path, item)) for item in (PARAMS, MODEL_CONFIG))
 
 
 def is_ours(path: str) -> bool:
   """Whether ``path`` is one of this package's model directories or training workdirs."""
-  return _is_model_dir(path) or bool(_workdir_steps(path))
+  return is_model_dir(path) or bool(_workdir_steps(path))
 
 
 def _workdir_steps(path: str) -> list[str]:
   ckpt_dir = os.path.join(path, "checkpoints") if os.path.isdir(
       os.path.join(path, "checkpoints")) else path
   return [os.path.join(ckpt_dir, str(step)) for step in committed_steps(ckpt_dir)
-          if _is_model_dir(os.path.join(ckpt_dir, str(step)))]
+          if is_model_dir(os.path.join(ckpt_dir, str(step)))]
 
 
 # What a bare Orbax tree (the official RecurrentGemma checkpoints) holds at its top.
@@ -99,7 +99,7 @@ def model_dirs(path: str) -> list[str]:
   steps = _workdir_steps(path)
   if steps:
     return steps
-  if _is_model_dir(path):
+  if is_model_dir(path):
     return [path]
   raise CheckpointError(_not_ours(path))
 
@@ -110,11 +110,12 @@ def resolve_model_dir(path: str) -> str:
   return model_dirs(path)[0]
 
 
-def _warn(line: str) -> None:
+def warn(line: str) -> None:
+  """A warning line on stderr (stdout may carry a script's output)."""
   print(line, file=sys.stderr, flush=True)
 
 
-def newest_readable_config(path: str, warn: Callable[[str], None] = _warn
+def newest_readable_config(path: str, warn: Callable[[str], None] = warn
                            ) -> tuple[list[str], model_lib.ModelConfig, dict[str, Any]]:
   """``(model directories, config, raw JSON)``: of the model directories ``path`` names
   (:func:`model_dirs`), the first whose model config reads, and the older ones after it (what
@@ -135,7 +136,7 @@ def newest_readable_config(path: str, warn: Callable[[str], None] = _warn
 
 def restore_newest(dirs: list[str], params_abstract: nnx.State, shardings=None, *,
                    cfg: model_lib.ModelConfig | None = None,
-                   warn: Callable[[str], None] = _warn) -> tuple[nnx.State, str]:
+                   warn: Callable[[str], None] = warn) -> tuple[nnx.State, str]:
   """``(restore_params of dirs[0], dirs[0])``, or, when its parameters cannot be read (a step
   damaged on disk), of the next of ``dirs`` that can (a training workdir's older steps, from
   :func:`newest_readable_config`), with a ``warn`` line per step skipped. Nothing is moved:

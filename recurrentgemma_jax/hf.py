@@ -30,7 +30,6 @@ import math
 import os
 import shutil
 import struct
-import sys
 from typing import Any, Callable
 
 import jax
@@ -587,13 +586,9 @@ def _special_ids(tokenizer: str | None) -> dict[str, int]:
   return {}
 
 
-def _warn(line: str) -> None:
-  print(line, file=sys.stderr, flush=True)
-
-
 def export_checkpoint(path: str, dst: str, *, dtype: str | None = None,
                       max_shard_bytes: int = MAX_SHARD_BYTES,
-                      warn: Callable[[str], None] = _warn
+                      warn: Callable[[str], None] = checkpoint.warn
                       ) -> tuple[model_lib.ModelConfig, list[str]]:
   """One of our griffin or hawk checkpoints (or a training workdir's latest) -> a directory
   that ``RecurrentGemmaForCausalLM.from_pretrained`` loads: ``config.json``, safetensors

@@ -586,7 +586,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   distributed.initialize()
   workdir_lib.check(workdir)
   configlib.validate(config, process_count=jax.process_count(), device_count=jax.device_count())
-  aot.device_errors(config, jax.devices())
+  aot.check_devices(config, jax.devices())
   plan = setup(config)
   log = print if jax.process_index() == 0 else (lambda *_: None)
   workdir = workdir_lib.prepare(workdir) if jax.process_index() == 0 else os.path.abspath(

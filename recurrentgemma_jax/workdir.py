@@ -29,7 +29,8 @@ def check(workdir: str) -> None:
   path = os.path.abspath(workdir)
   if os.path.exists(path) and not os.path.isdir(path):
     raise ConfigError(f"--workdir {workdir!r} exists and is not a directory")
-  if all(os.path.isdir(os.path.join(path, item)) for item in ("params", "model_config")):
+  from recurrentgemma_jax import checkpoint  # pylint: disable=g-import-not-at-top  (jax, orbax)
+  if checkpoint.is_model_dir(path):
     raise ConfigError(f"--workdir {workdir!r} holds a model checkpoint, not a training run; to "
                       f"train from its weights use --config.init_from={workdir} with a new "
                       "--workdir")

@@ -343,14 +343,18 @@ def test_distributed_names_a_missing_process_variable(env, error):
   assert str(e.value) == error
 
 
-def test_distributed_initialize_on_a_tpu_vm_lets_jax_find_the_pod(monkeypatch):
-  calls = []
-  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+def _on_a_tpu_vm_without_job_variables(monkeypatch):
   monkeypatch.setattr(distributed, "_initialized", False)
   monkeypatch.setattr(distributed, "on_cloud_tpu_vm", lambda: True)
   for name in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES",
                "JAX_PLATFORMS"):
     monkeypatch.delenv(name, raising=False)
+
+
+def test_distributed_initialize_on_a_tpu_vm_lets_jax_find_the_pod(monkeypatch):
+  calls = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+  _on_a_tpu_vm_without_job_variables(monkeypatch)
   distributed.initialize()
   distributed.initialize()  # once per process
   assert calls == [{}]
@@ -360,11 +364,7 @@ def test_a_tpu_vm_guess_that_jax_cannot_use_warns_and_runs_as_one_process(monkey
   def no_cluster(**kw):
     raise ValueError("coordinator_address should be defined.")
   monkeypatch.setattr(jax.distributed, "initialize", no_cluster)
-  monkeypatch.setattr(distributed, "_initialized", False)
-  monkeypatch.setattr(distributed, "on_cloud_tpu_vm", lambda: True)
-  for name in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES",
-               "JAX_PLATFORMS"):
-    monkeypatch.delenv(name, raising=False)
+  _on_a_tpu_vm_without_job_variables(monkeypatch)
   distributed.initialize()
   assert "jax.distributed.initialize() failed (coordinator_address" in capsys.readouterr().err
   # A job that names its processes fails as JAX says.
