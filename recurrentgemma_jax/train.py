@@ -427,8 +427,11 @@ class Setup:
     sharded."""
     param_sh = self.state_shardings["params"]
     if config.init_from:
-      params = ckpt_lib.restore_params(config.init_from, self.params_abstract, param_sh,
-                                       cfg=self.model_cfg)
+      # A workdir's newest step whose config or parameters cannot be read: the one before it
+      # (the config's was warned of when the config was checked, the parameters' is here).
+      dirs, _, _ = ckpt_lib.newest_readable_config(config.init_from, warn=lambda _: None)
+      params, _ = ckpt_lib.restore_newest(dirs, self.params_abstract, param_sh,
+                                          cfg=self.model_cfg)
     else:
       params = model_lib.init_params(self.model_cfg, config.seed, param_sh)
     return {"step": jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings["step"]),
@@ -599,11 +602,33 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         raise ConfigError(
             f"total_steps={config.total_steps} is below step {resume[0]}, the latest checkpoint "
             f"in --workdir {workdir}; raise total_steps to train on, or use a new --workdir")
+      if resume and resume[0] == config.total_steps and _finished(config, plan, workdir, log):
+        log(f"done already: step {resume[0]} of {config.total_steps} is in {workdir}/"
+            "checkpoints with its evaluation; raise total_steps to train on")
+        return {}
       if resume and resume[1]:
         log(f"resuming step {resume[0]} with changed settings: {'; '.join(resume[1])}")
       return _train(config, workdir, plan, log, stop)
   finally:
     stop.restore()
+
+
+def _finished(config: ml_collections.ConfigDict, plan: Setup, workdir: str, log) -> bool:
+  """Whether the run in ``workdir`` is finished: ``metrics.jsonl`` holds the evaluation of the
+  last step and that step's checkpoint reads (a damaged one is set aside, and the run trains
+  again from the one before). Then a rerun has nothing left to do and compiles nothing."""
+  logged = jax.process_index() == 0 and any(
+      r.get("step") == config.total_steps and "eval_loss" in r for r in read_metrics(workdir))
+  if jax.process_count() > 1:  # process 0 read the metrics: every process does the same
+    logged = bool(multihost_utils.broadcast_one_to_all(np.int32(logged)))
+  if not logged:
+    return False
+  checkpoints = Checkpoints(workdir, config.keep_checkpoints)
+  try:
+    checkpoints.restore_latest(plan.abstract_state, log, plan.model_cfg)
+    return checkpoints.manager.latest_step() == config.total_steps
+  finally:
+    checkpoints.close()
 
 
 def _train(config: ml_collections.ConfigDict, workdir: str, plan: Setup, log,

@@ -18,11 +18,11 @@
 # every worker is checked for before anything is copied (exit 2 otherwise).
 # The repository is copied to every worker with `gcloud compute tpus tpu-vm scp`; the run is
 # started with `gcloud compute tpus tpu-vm ssh --worker=all` inside a detached tmux session
-# named "train" on each worker (logs: ~/train.log). The training arguments travel in a script
-# file inside the copy (train_command.sh), quoted once for the bash that runs it, so they
-# arrive verbatim ($HOME, quotes, spaces). The workdir must be storage every worker sees (e.g.
-# a gcsfuse mount of a bucket). Rerunning the same line resumes from the latest checkpoint in
-# the workdir; a preempted slice gets SIGTERM and saves first.
+# named "train" on each worker (its output appended to ~/train.log). The training arguments
+# travel in a script file inside the copy (train_command.sh), quoted once for the bash that
+# runs it, so they arrive verbatim ($HOME, quotes, spaces). The workdir must be storage every
+# worker sees (e.g. a gcsfuse mount of a bucket). Rerunning the same line resumes from the
+# latest checkpoint in the workdir; a preempted slice gets SIGTERM and saves first.
 set -euo pipefail
 usage="usage: $0 TPU_NAME ZONE [PROJECT] -- TRAIN_ARGS..."
 # The separator is required: without it a training flag could be taken for the project.
@@ -87,7 +87,7 @@ trap 'rm -rf "$staging"' EXIT
   echo 'cd "$(dirname "$0")"'
   printf '%s scripts/train.py' "$python"
   printf ' %q' "$@"
-  echo ' 2>&1 | tee ~/train.log'
+  echo ' 2>&1 | tee -a ~/train.log'
 } > "$staging/train_command.sh"
 tar -czf "$staging/recurrentgemma_jax.tgz" -C "$root" --exclude=.git --exclude=runs \
     --exclude=workdir --exclude=./train_command.sh . -C "$staging" train_command.sh

@@ -333,6 +333,26 @@ def test_sigterm_after_the_run_ended_still_exits_zero(tmp_path, compile_cache):
   assert run.proc.returncode == 0, output[-3000:]
 
 
+def test_a_finished_run_run_again_says_so_before_compiling_unless_its_evaluation_is_missing(
+    tmp_path, compile_cache):
+  first = train(tmp_path, "--config.total_steps=2", cache=compile_cache)
+  assert first.returncode == 0, first.stderr[-2000:]
+  logged = (tmp_path / "metrics.jsonl").read_text()
+  again = train(tmp_path, "--config.total_steps=2", cache=compile_cache)
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert f"done already: step 2 of 2 is in {tmp_path}/checkpoints" in again.stdout
+  assert "compiling" not in again.stdout, again.stdout
+  assert (tmp_path / "metrics.jsonl").read_text() == logged
+  # Stopped between its last save and its evaluation: the rerun evaluates.
+  kept = [line for line in logged.splitlines(keepends=True) if "eval_loss" not in line
+          or json.loads(line)["step"] != 2]
+  (tmp_path / "metrics.jsonl").write_text("".join(kept))
+  last = train(tmp_path, "--config.total_steps=2", cache=compile_cache)
+  assert last.returncode == 0, last.stderr[-2000:]
+  assert "step 2: eval loss" in last.stdout and "done already" not in last.stdout
+  assert [r["step"] for r in records(tmp_path) if "eval_loss" in r][-1] == 2
+
+
 # --- fault injection ----------------------------------------------------------------------------
 
 FAULT_STEPS = ["--config.total_steps=48", "--config.log_every=1", "--config.checkpoint_every=3",

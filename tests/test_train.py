@@ -54,16 +54,29 @@ def test_tfds_dataset_trains_through_the_user_path(tmp_path):
 def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path):
   steps = ["--config.total_steps=4", "--config.checkpoint_every=2", "--config.log_every=1",
            "--config.eval_every=0"]
-  run_script("train.py", f"--workdir={tmp_path}", *TINY, *steps)
-  latest = tmp_path / "checkpoints" / "4" / "params"
+  run = tmp_path / "run"
+  run_script("train.py", f"--workdir={run}", *TINY, *steps)
+  latest = run / "checkpoints" / "4" / "params"
   for dirpath, _, files in os.walk(latest):  # damage every file of the params item
     for name in files:
       with open(os.path.join(dirpath, name), "wb") as f:
         f.write(b"garbage")
-  out = run_script("train.py", f"--workdir={tmp_path}", *TINY, *steps).stdout
+
+  # Fine-tuning from the workdir starts from the step before, with one warning.
+  def tuned(init_from, name):
+    proc = run_script("train.py", f"--workdir={tmp_path / name}", *TINY, "--config.log_every=1",
+                      "--config.total_steps=1", "--config.eval_every=0",
+                      f"--config.init_from={init_from}")
+    return losses(tmp_path / name)[1], proc.stderr
+  loss, err = tuned(run, "tuned")
+  assert f"checkpoint '{run}/checkpoints/4': cannot restore 'params'" in err, err
+  assert "using the step before it, 2" in err and "Traceback" not in err, err
+  assert loss == tuned(run / "checkpoints" / "2", "tuned_from_2")[0]
+
+  out = run_script("train.py", f"--workdir={run}", *TINY, *steps).stdout
   assert "checkpoint step 4 is unreadable" in out and "resuming from" in out
-  assert any(d.startswith("4.unreadable") for d in os.listdir(tmp_path / "checkpoints"))
-  assert os.path.isdir(tmp_path / "checkpoints" / "4")  # redone from step 2
+  assert any(d.startswith("4.unreadable") for d in os.listdir(run / "checkpoints"))
+  assert os.path.isdir(run / "checkpoints" / "4")  # redone from step 2
 
 
 def test_non_finite_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path):
