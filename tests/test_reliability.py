@@ -387,7 +387,7 @@ def _assert_same_run(workdir, reference):
 
 
 def _interrupt_at_random_moments(tmp_path, cache, reference, duration, rng, interrupt,
-                                 count=20):
+                                 count=12):
   """Starts the fault run, ``interrupt(run, workdir, restorable)``s it (``restorable``: it
   started with a checkpoint to resume from) at a uniformly random moment of the next twelfth of
   its uninterrupted training time (a fresh run: after its first save), and restarts it,
@@ -425,7 +425,7 @@ def _interrupt_at_random_moments(tmp_path, cache, reference, duration, rng, inte
   finish(workdir)
 
 
-@pytest.mark.slow  # ~3 minutes on 2 CPU cores: 20 restarts of about 8 s each (cached compiles)
+@pytest.mark.slow  # ~2 minutes on 2 CPU cores: 12 restarts of about 8 s each (cached compiles)
 def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(
     tmp_path, compile_cache, uninterrupted):
   # Killed in a step, an asynchronous save, its commit, the metrics write, an evaluation or the
@@ -440,10 +440,10 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(
     resumed.append(restorable)
 
   _interrupt_at_random_moments(tmp_path, compile_cache, *uninterrupted, random.Random(0), kill)
-  assert sum(resumed) >= 10, resumed
+  assert sum(resumed) >= 6, resumed
 
 
-@pytest.mark.slow  # ~3 minutes: 20 restarts
+@pytest.mark.slow  # ~2 minutes: 12 restarts
 def test_sigterm_at_random_moments_saves_that_step_and_exits_zero(
     tmp_path, compile_cache, uninterrupted):
   saved = []
@@ -461,4 +461,4 @@ def test_sigterm_at_random_moments_saves_that_step_and_exits_zero(
 
   _interrupt_at_random_moments(tmp_path, compile_cache, *uninterrupted, random.Random(1),
                                terminate)
-  assert len(saved) >= 10, saved
+  assert len(saved) >= 6, saved
