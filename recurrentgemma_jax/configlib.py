@@ -255,7 +255,7 @@ def _init_from_errors(path: str, cfg: model_lib.ModelConfig) -> list[str]:
   if not os.path.exists(path):
     return [f"init_from={path!r} does not exist"]
   try:
-    _, saved, _ = checkpoint.newest_readable_config(path)  # a damaged newest step: warned
+    saved, _ = checkpoint.read_model_config(checkpoint.resolve_model_dir(path))
   except CheckpointError as e:
     return [f"init_from: {e}"]
   difference = checkpoint.shape_difference(saved, cfg)
