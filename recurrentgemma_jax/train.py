@@ -427,9 +427,8 @@ class Setup:
     sharded."""
     param_sh = self.state_shardings["params"]
     if config.init_from:
-      # A workdir's newest step whose config or parameters cannot be read: the one before it
-      # (the config's was warned of when the config was checked, the parameters' is here).
-      dirs, _, _ = ckpt_lib.newest_readable_config(config.init_from, warn=lambda _: None)
+      # A workdir's newest step whose parameters cannot be read: the one before it, warned.
+      dirs, _, _ = ckpt_lib.newest_readable_config(config.init_from)
       params, _ = ckpt_lib.restore_newest(dirs, self.params_abstract, param_sh,
                                           cfg=self.model_cfg)
     else:
@@ -569,10 +568,8 @@ def _one_run_per_workdir(workdir: str, log):
       lock = workdir_lib.WorkdirLock(workdir).acquire()
     except ConfigError as e:
       error = e
-  if jax.process_count() > 1:
-    got = bool(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
-    if not got and error is None:
-      error = ConfigError(f"--workdir {workdir}: process 0 could not take the workdir's lock")
+  if not process_0s(error is None) and error is None:
+    error = ConfigError(f"--workdir {workdir}: process 0 could not take the workdir's lock")
   if error is not None:
     raise error
   if lock is not None and lock.note:
@@ -613,15 +610,20 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     stop.restore()
 
 
+def process_0s(flag: bool) -> bool:
+  """Process 0's ``flag``, on every process (what only process 0 read: the metrics, the
+  lock)."""
+  if jax.process_count() == 1:
+    return flag
+  return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
+
+
 def _finished(config: ml_collections.ConfigDict, plan: Setup, workdir: str, log) -> bool:
   """Whether the run in ``workdir`` is finished: ``metrics.jsonl`` holds the evaluation of the
   last step and that step's checkpoint reads (a damaged one is set aside, and the run trains
   again from the one before). Then a rerun has nothing left to do and compiles nothing."""
-  logged = jax.process_index() == 0 and any(
-      r.get("step") == config.total_steps and "eval_loss" in r for r in read_metrics(workdir))
-  if jax.process_count() > 1:  # process 0 read the metrics: every process does the same
-    logged = bool(multihost_utils.broadcast_one_to_all(np.int32(logged)))
-  if not logged:
+  if not process_0s(jax.process_index() == 0 and any(  # process 0 reads the metrics
+      r.get("step") == config.total_steps and "eval_loss" in r for r in read_metrics(workdir))):
     return False
   checkpoints = Checkpoints(workdir, config.keep_checkpoints)
   try:
@@ -786,9 +788,8 @@ def _loop(config, plan: Setup, log, compiled, checkpoints: "Checkpoints", n_para
   interval_start, interval_steps = time.perf_counter(), 0
   phase, step = "training step", start
   try:
-    missing = bool(start and eval_due(start) and not writer.has_eval(start))
-    if jax.process_count() > 1:  # process 0 read the metrics: every process does the same
-      missing = bool(multihost_utils.broadcast_one_to_all(np.int32(missing)))
+    # process 0 read the metrics: every process does the same
+    missing = process_0s(bool(start and eval_due(start) and not writer.has_eval(start)))
     if missing and not stop.signal:
       phase = "evaluation"  # the run that saved this step stopped before evaluating it
       eval_record = evaluate(start)
