@@ -358,6 +358,14 @@ def test_decode_benchmark_script_times_every_family(tmp_path):
   for r in results["latency"] + results["runs"]:
     assert r["floor_s"] > 0 and r["bound"] in ("memory", "compute") and r["bytes_per_step"] > 0
   assert results["copy_ceiling_bytes_per_s"] > 0 and (tmp_path / "decode.png").stat().st_size
+  # The floor again with the FLOPs at the matmul rate measured in the run: no lower than the
+  # rated peak's where that rate is below the peak (or no peak is known, as on a CPU).
+  sustained, peak = results["matmul_ceiling_flops"], results["peak_flops"]
+  assert sustained > 0 and "at the matmul ceiling" in table
+  for r in results["runs"]:
+    assert r["floor_measured_s"] > 0
+    if not peak or sustained <= peak:
+      assert r["floor_measured_s"] >= r["floor_s"] * (1 - 1e-9), r
   assert "% of memory |" in table or "% of compute |" in table
   # A memory budget smaller than any batch's program: every batch counts as out of memory.
   budget = tmp_path / "budget"

@@ -1,6 +1,6 @@
 """The timing helpers of the benchmarks: device time per call of a jitted function, the copy
-ceiling that memory-bound rows are measured against, and the GPU's clock and power while a row
-runs."""
+ceiling that memory-bound rows are measured against, the matmul ceiling beside the rated peak,
+and the GPU's clock and power while a row runs."""
 
 from __future__ import annotations
 
@@ -36,6 +36,18 @@ def copy_ceiling(nbytes: int = 1 << 30, iters: int = 10) -> float:
   x = jax.numpy.zeros((nbytes // 2,), jax.numpy.bfloat16)
   ms = time_fn(jax.jit(lambda v: v + 1), x, iters=iters)
   return 2 * nbytes / ms * 1e3
+
+
+def matmul_ceiling(n: int = 8192, seconds: float = 1.5) -> float:
+  """FLOP/s of a jitted bfloat16 ``[n, n] x [n, n]`` matmul run back to back for about
+  ``seconds`` (long enough for a GPU's power cap to set the clock, as it does through a decoding
+  run): the rate compute-bound work can sustain on this device, beside the rated peak."""
+  a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jax.numpy.bfloat16)
+  matmul = jax.jit(lambda u, v: u @ v)
+  once = time_fn(matmul, a, a, iters=1, calls=3)
+  calls = max(1, int(seconds * 1e3 / max(once, 1e-3) / 5))
+  ms = time_fn(matmul, a, a, iters=5, calls=calls)
+  return 2 * n ** 3 / ms * 1e3
 
 
 # nvidia-smi's bit for "throttled by the software power cap" in clocks_throttle_reasons.active.
