@@ -6,7 +6,7 @@ chips' device nodes and libtpu), where JAX finds the pod's workers and coordinat
 the VM's metadata (``scripts/launch_tpu_pod.sh``, or train.py started on every worker by hand
 with ``gcloud compute tpus tpu-vm ssh --worker=all``). On a TPU VM it is called with one host
 too, as JAX recommends for TPUs: without it a pod's preemption notice never reaches the run.
-Elsewhere a single process does nothing.
+Elsewhere a single process does nothing, also one named by ``JAX_NUM_PROCESSES=1``.
 """
 
 from __future__ import annotations
@@ -47,6 +47,14 @@ def arguments(env: Mapping[str, str], tpu_vm: Callable[[], bool]) -> dict | None
         raise ConfigError(f"{name} is {given}: with JAX_COORDINATOR_ADDRESS set it must be a "
                           "non-negative integer")
       values[name] = int(value)
+    count, index = values["JAX_NUM_PROCESSES"], values["JAX_PROCESS_ID"]
+    if not index < count:
+      raise ConfigError(f"JAX_PROCESS_ID is {index}: it must be below JAX_NUM_PROCESSES "
+                        f"({count})")
+    if count == 1 and not tpu_vm():
+      # One process has nothing to join (scripts/launch_gpus.sh on one GPU): JAX's service
+      # would only log its cancelled task watch at exit (jax 0.11 on a GPU, session 55).
+      return None
     return dict(coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
                 num_processes=values["JAX_NUM_PROCESSES"], process_id=values["JAX_PROCESS_ID"])
   if int(env.get("SLURM_NTASKS", "1")) > 1 or "," in env.get("TPU_WORKER_HOSTNAMES", ""):

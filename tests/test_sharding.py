@@ -325,7 +325,12 @@ def test_a_checkpoints_data_position_is_each_shards_own():
     ({"SLURM_NTASKS": "4"}, False, {}),
     ({"TPU_WORKER_HOSTNAMES": "a,b"}, False, {}),  # GKE
     ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}, True,
-     dict(coordinator_address="h:1", num_processes=2, process_id=1))])
+     dict(coordinator_address="h:1", num_processes=2, process_id=1)),
+    # one named process: nothing to join, except on a TPU VM (preemption notices)
+    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "1", "JAX_PROCESS_ID": "0"}, False,
+     None),
+    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "1", "JAX_PROCESS_ID": "0"}, True,
+     dict(coordinator_address="h:1", num_processes=1, process_id=0))])
 def test_distributed_initialises_where_the_job_has_or_may_have_several_processes(env, tpu_vm,
                                                                                  want):
   assert distributed.arguments(env, lambda: tpu_vm) == want
@@ -336,7 +341,11 @@ def test_distributed_initialises_where_the_job_has_or_may_have_several_processes
      "JAX_NUM_PROCESSES is unset: with JAX_COORDINATOR_ADDRESS set it must be a non-negative "
      "integer"),
     ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "x"},
-     "JAX_PROCESS_ID is 'x': with JAX_COORDINATOR_ADDRESS set it must be a non-negative integer")])
+     "JAX_PROCESS_ID is 'x': with JAX_COORDINATOR_ADDRESS set it must be a non-negative integer"),
+    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"},
+     "JAX_PROCESS_ID is 2: it must be below JAX_NUM_PROCESSES (2)"),
+    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "0", "JAX_PROCESS_ID": "0"},
+     "JAX_PROCESS_ID is 0: it must be below JAX_NUM_PROCESSES (0)")])
 def test_distributed_names_a_missing_process_variable(env, error):
   with pytest.raises(ConfigError) as e:
     distributed.arguments(env, lambda: False)
