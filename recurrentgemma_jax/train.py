@@ -42,6 +42,11 @@ class NonFiniteLoss(RuntimeError):
   pass
 
 
+class Interrupted(Exception):
+  """Ctrl-C (SIGINT) stopped the run after it saved the step in progress (``scripts/train.py``
+  exits 130, the shell's code for it)."""
+
+
 class SaveFailed(CheckpointError):
   """A checkpoint could not be written (a full disk, a file-size limit); the previous one is
   still the latest. Orbax's background threads are left broken: exit without waiting for
@@ -653,26 +658,49 @@ def _train(config: ml_collections.ConfigDict, workdir: str, plan: Setup, log,
 
 
 class _Stop:
-  """Whether to save and stop after a step: SIGTERM in a single process; in a multi-process
-  run, JAX's preemption sync point (its notifier owns SIGTERM: when any process is signalled,
-  all agree on one step to save)."""
+  """Whether to save and stop after a step: SIGTERM or Ctrl-C (SIGINT) in a single process; in
+  a multi-process run, JAX's preemption sync point (its notifier owns SIGTERM: when any process
+  is signalled, all agree on one step to save), which a Ctrl-C joins by sending its process a
+  SIGTERM. A Ctrl-C before this run's first step (nothing new to save) or a second one exits at
+  once; what is already saved stays (a save cut short is never the latest)."""
 
   def __init__(self):
     self.multi = jax.process_count() > 1
     self.signal = None
-    self.previous = None
+    self.interrupted = False  # by Ctrl-C
+    self.stepped = False  # whether this run has trained a step
+    self.previous = {}
     if not self.multi:
-      self.previous = signal.signal(signal.SIGTERM,
-                                    lambda signum, _: setattr(self, "signal", signum))
+      self.previous[signal.SIGTERM] = signal.signal(
+          signal.SIGTERM, lambda signum, _: setattr(self, "signal", signum))
+    self.previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
+
+  def _interrupt(self, signum, _):
+    if self.interrupted or not self.stepped:
+      sys.stdout.flush()
+      print("interrupted (Ctrl-C): " + ("again; exiting without waiting for the save (the "
+                                        "checkpoints already written are kept)" if
+                                        self.interrupted else "no step trained yet, nothing "
+                                        "to save"), file=sys.stderr, flush=True)
+      os._exit(130)  # pylint: disable=protected-access  (nothing unsaved is lost)
+    self.interrupted = True
+    if self.multi:
+      os.kill(os.getpid(), signal.SIGTERM)  # to JAX's notifier: every process saves one step
+    else:
+      self.signal = signum
 
   def __call__(self, step: int) -> bool:
+    self.stepped = True
     if self.multi and multihost_utils.reached_preemption_sync_point(step):
       self.signal = signal.SIGTERM
     return self.signal is not None
 
+  def name(self) -> str:
+    return f"signal {self.signal}" + (" (Ctrl-C)" if self.signal == signal.SIGINT else "")
+
   def restore(self) -> None:
-    if self.previous is not None:
-      signal.signal(signal.SIGTERM, self.previous)
+    for signum, handler in self.previous.items():
+      signal.signal(signum, handler)
 
 
 def all_finite(state) -> jax.Array:
@@ -794,7 +822,7 @@ def _loop(config, plan: Setup, log, compiled, checkpoints: "Checkpoints", n_para
       phase = "evaluation"  # the run that saved this step stopped before evaluating it
       eval_record = evaluate(start)
     if stop.signal and start < config.total_steps:  # signalled while starting: nothing new
-      writer.message(f"stopped by signal {stop.signal} before training; " + (
+      writer.message(f"stopped by {stop.name()} before training; " + (
           f"the latest checkpoint is step {start}" if restored is not None else
           "no checkpoint was written (a new run starts from scratch)"))
       return last_record
@@ -851,7 +879,9 @@ def _loop(config, plan: Setup, log, compiled, checkpoints: "Checkpoints", n_para
       if stopping:
         phase = "saving"
         checkpoints.wait()
-        writer.message(f"stopped by signal {stop.signal} after saving step {step}")
+        writer.message(f"stopped by {stop.name()} after saving step {step}")
+        if stop.interrupted:
+          raise Interrupted(step)
         return last_record
     phase = "saving"
     checkpoints.wait()

@@ -23,6 +23,9 @@ LOCK = "lock"
 def check(workdir: str) -> None:
   """Reads only (every process runs it, before anything compiles): a workdir must be a local or
   mounted directory, and not a model checkpoint. ConfigError otherwise."""
+  if not workdir.strip():  # os.path.abspath("") is the current directory
+    raise ConfigError("--workdir is empty; name the run's directory (--workdir=runs/NAME), "
+                      "which is created if needed")
   if "://" in workdir:  # os.path would make gs://b/run a local "gs:/b/run" found at the first save
     raise ConfigError(f"--workdir {workdir!r} is a URL; it must be a directory every process "
                       "sees (for a bucket, a gcsfuse mount of it)")

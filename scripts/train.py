@@ -5,7 +5,8 @@
 With no arguments it trains the default small Griffin (configs/default.py) on the built-in
 corpus into ./workdir. Metrics go to DIR/metrics.jsonl and DIR/tensorboard, checkpoints to
 DIR/checkpoints; DIR/lock keeps a second run out. SIGTERM saves the current step and exits 0
-(on several processes: all save the same step). Flags are absl flags, the config through
+(on several processes: all save the same step); Ctrl-C too, then exits 130 (a second Ctrl-C
+exits at once, keeping what is saved). Flags are absl flags, the config through
 ml_collections.config_flags.
 """
 
@@ -35,11 +36,20 @@ def _exit_zero(signum, frame):  # pylint: disable=unused-argument
   os._exit(0)  # pylint: disable=protected-access  (no teardown: nothing is left to save)
 
 
+def _exit_interrupted(signum, frame):  # pylint: disable=unused-argument
+  """Ctrl-C outside the training loop (which saves the step in progress first): as SIGTERM,
+  nothing unsaved is lost; the exit code is the shell's for an interrupt."""
+  sys.stdout.flush()
+  print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+  os._exit(130)  # pylint: disable=protected-access
+
+
 def main(argv: list[str]) -> None:
   """``argv``: the command line, program name first."""
-  # The training loop installs its own SIGTERM handler (save the step, then stop) and restores
-  # this one when it ends.
+  # The training loop installs its own SIGTERM and SIGINT handlers (save the step, then stop)
+  # and restores these when it ends.
   signal.signal(signal.SIGTERM, _exit_zero)
+  signal.signal(signal.SIGINT, _exit_interrupted)
   # A file-size limit makes writes fail (EFBIG: a checkpoint that cannot be written stops the
   # run with one line) instead of killing the process.
   signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -55,6 +65,9 @@ def main(argv: list[str]) -> None:
       # handled signal back to its default (killed: -15) before JAX's teardown, which can take a
       # while; an ignored one stays ignored, so a late SIGTERM still ends in exit 0.
       signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except train.Interrupted:  # the step in progress saved, the line printed
+      sys.stdout.flush()
+      sys.exit(130)
     except train.NonFiniteLoss as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(3)

@@ -170,6 +170,51 @@ def test_a_workdir_that_is_a_file_is_one_line(tmp_path):
       f"error: --workdir {str(tmp_path / 'file')!r} exists and is not a directory"]
 
 
+def test_an_empty_workdir_is_one_line_and_writes_nothing(tmp_path):
+  # os.path.abspath("") is the current directory: the run trained into it.
+  proc = subprocess.run(train_cmd("", "--config.total_steps=1"), env=env(), cwd=tmp_path,
+                        text=True, capture_output=True, timeout=600)
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines() == [
+      "error: --workdir is empty; name the run's directory (--workdir=runs/NAME), which is "
+      "created if needed"]
+  assert not os.listdir(tmp_path)
+
+
+def test_ctrl_c_saves_the_step_in_progress_exits_130_and_the_rerun_resumes(tmp_path,
+                                                                            compile_cache):
+  steps = ["--config.total_steps=100000", "--config.log_every=1", "--config.eval_every=0",
+           "--config.checkpoint_every=100000"]
+  run = Started(train_cmd(tmp_path, *steps), env(compile_cache))
+  assert run.wait_for("step 3/"), run.output()[-3000:]
+  run.proc.send_signal(signal.SIGINT)
+  output = run.output()
+  assert run.proc.returncode == 130, output[-3000:]
+  assert not any(n in output for n in NOISE + ("KeyboardInterrupt",)), output[-3000:]
+  [step] = saved_steps(tmp_path)  # no periodic checkpoint: only the interrupted step's
+  assert step >= 3 and f"stopped by signal 2 (Ctrl-C) after saving step {step}" in output
+  again = Started(train_cmd(tmp_path, *steps), env(compile_cache))
+  assert again.wait_for(f"step {step + 2}/"), again.output()[-3000:]
+  # Ctrl-C twice: the second exits at once, whatever the first had started to save.
+  again.proc.send_signal(signal.SIGINT)
+  again.proc.send_signal(signal.SIGINT)
+  output = again.output()
+  assert f"resuming from {tmp_path}/checkpoints/{step}" in output, output[-3000:]
+  assert again.proc.returncode == 130 and "Traceback" not in output, output[-3000:]
+  assert saved_steps(tmp_path)[0] == step  # kept
+
+
+def test_ctrl_c_while_compiling_exits_at_once_with_one_line(tmp_path, compile_cache):
+  run = Started(train_cmd(tmp_path, "--config.total_steps=5"), env(compile_cache))
+  assert run.wait_for("compiling the training"), run.output()[-3000:]
+  run.proc.send_signal(signal.SIGINT)
+  output = run.output()
+  assert run.proc.returncode == 130, output[-3000:]
+  assert "interrupted (Ctrl-C): no step trained yet, nothing to save" in output, output[-3000:]
+  assert not any(n in output for n in NOISE + ("KeyboardInterrupt",)), output[-3000:]
+  assert not os.path.isdir(tmp_path / "checkpoints") or not saved_steps(tmp_path)
+
+
 # --- resuming against another config ----------------------------------------------------------
 
 def test_resuming_with_another_model_or_optimizer_is_refused_and_nothing_changes(
@@ -272,7 +317,10 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(tmp_path, compile_cache):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_one_of_two_processes_saves_the_same_step_on_both(tmp_path, compile_cache,
+                                                                      sig):
+  # Ctrl-C joins JAX's preemption sync point as a SIGTERM would; its process then exits 130.
   address = f"localhost:{_free_port()}"
   procs = []
   for i in range(2):
@@ -282,9 +330,11 @@ def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(tmp_path, c
                                    "--config.log_every=1", "--config.eval_every=0",
                                    "--config.checkpoint_every=100000"), e))
   assert procs[0].wait_for("step 3/")
-  procs[1].proc.send_signal(signal.SIGTERM)  # only the second process is signalled
+  procs[1].proc.send_signal(sig)  # only the second process is signalled
   outputs = [p.output() for p in procs]
-  assert [p.proc.returncode for p in procs] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+  assert [p.proc.returncode for p in procs] == [0, 0 if sig == signal.SIGTERM else 130], (
+      outputs[0][-2000:] + outputs[1][-2000:])
+  assert not any(n in out for n in NOISE for out in outputs), outputs[1][-2000:]
   [step] = saved_steps(tmp_path)
   assert f"stopped by signal 15 after saving step {step}" in outputs[0]
   assert step >= 3
