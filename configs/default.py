@@ -8,7 +8,9 @@ from recurrentgemma_jax import configlib
 
 
 def get_config(arg=None):
-  del arg
+  if arg:  # (a size belongs to configs/griffin.py, hawk.py, mqa.py or gla.py)
+    raise ValueError(f"configs/default.py takes no argument, got {arg!r}; for a model size use "
+                     f"e.g. configs/griffin.py:{arg}")
   c = configlib.base_config()
   c.total_steps = 400
   c.batch_size = 16

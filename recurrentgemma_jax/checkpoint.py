@@ -85,6 +85,13 @@ def _not_ours(path: str) -> str:
   if any(os.path.exists(os.path.join(path, f)) for f in _ORBAX_TREE_FILES):
     return (f"checkpoint {path!r} is a bare Orbax parameter tree (an official RecurrentGemma "
             f"checkpoint?), not ours; {importer}")
+  if os.path.isdir(os.path.join(path, "checkpoints")) or os.path.isfile(
+      os.path.join(path, "metrics.jsonl")):
+    return (f"checkpoint {path!r} is a training workdir with no checkpoint yet (the first is "
+            "written at step checkpoint_every, or when a SIGTERM or Ctrl-C stops the run)")
+  if not os.path.isdir(path):
+    return (f"checkpoint {path!r} is a file; expected a directory written by "
+            "scripts/import_recurrentgemma.py or a training workdir")
   return (f"checkpoint {path!r} has no '{PARAMS}' and '{MODEL_CONFIG}' items (expected a "
           "directory written by scripts/import_recurrentgemma.py or a training workdir)")
 

@@ -85,6 +85,9 @@ def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> model_li
 def load(spec: str) -> ml_collections.ConfigDict:
   """``path/to/config.py[:ARG]`` -> the ConfigDict of its ``get_config(ARG)``."""
   path, _, arg = spec.partition(":")
+  if os.path.isdir(path):
+    raise ConfigError(f"--config {path!r} is a directory; name a config file in it, e.g. "
+                      f"{os.path.join(path, 'default.py')!r}")
   if not os.path.isfile(path):
     raise ConfigError(f"--config {path!r} does not exist")
   module_spec = importlib.util.spec_from_file_location(

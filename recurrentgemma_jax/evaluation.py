@@ -22,6 +22,9 @@ def read_tokens(path: str) -> np.ndarray:
     tokens = np.load(path, allow_pickle=False)
   except (OSError, ValueError) as e:
     raise ConfigError(f"--tokens {path!r} is not a .npy array: {e}") from None
+  if not isinstance(tokens, np.ndarray):  # an .npz archive loads as a mapping of arrays
+    raise ConfigError(f"--tokens {path!r} is an .npz archive; save one array with np.save "
+                      "(a .npy file)")
   if (tokens.ndim != 2 or tokens.shape[0] < 1 or tokens.shape[1] < 2
       or not np.issubdtype(tokens.dtype, np.integer)):
     raise ConfigError(f"--tokens {path!r} has shape {tokens.shape} and dtype {tokens.dtype}; "

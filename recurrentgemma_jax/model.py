@@ -313,7 +313,7 @@ class ModelConfig:
                    "or model.block_types='' to take the blocks from model.family")
     sizes = {"mlp_expanded_width": self.resolved_mlp_width}
     if "recurrent" in types:
-      sizes["num_gate_blocks"] = self.resolved_gate_blocks
+      sizes.update(lru_width=self.resolved_lru_width, num_gate_blocks=self.resolved_gate_blocks)
     if "gla" in types:
       sizes.update(gla_num_heads=self.gla_num_heads or self.num_heads,
                    gla_gate_rank=self.gla_gate_rank, gla_chunk_size=self.gla_chunk_size)
@@ -333,7 +333,7 @@ class ModelConfig:
                    "(RoPE rotates half of each head in pairs)")
     if "recurrent" in types:
       lru, blocks = self.resolved_lru_width, self.resolved_gate_blocks
-      if lru <= 0 or lru % blocks:
+      if lru % blocks:
         out.append(f"model.num_gate_blocks (or num_heads) = {blocks} does not divide "
                    f"model.lru_width={lru}")
     if "gla" in types:

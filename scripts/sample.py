@@ -81,7 +81,11 @@ def main(argv=None) -> None:
       raise ConfigError(f"checkpoint {args.checkpoint!r} records no tokenizer; pass --tokenizer")
     tokenizer_config = data.default_config()
     tokenizer_config.tokenizer = name
-    tokenizer = data.make_tokenizer(ml_collections.ConfigDict({"data": tokenizer_config}))
+    try:
+      tokenizer = data.make_tokenizer(ml_collections.ConfigDict({"data": tokenizer_config}))
+    except ConfigError as e:  # named as this command line names it
+      given = "--tokenizer=" if args.tokenizer else "the checkpoint's tokenizer "
+      raise ConfigError(str(e).replace("data.tokenizer=", given, 1)) from None
     if tokenizer.vocab_size > model.cfg.vocab_size:
       raise ConfigError(f"tokenizer {name!r} has {tokenizer.vocab_size} ids but the model only "
                         f"{model.cfg.vocab_size}")

@@ -97,6 +97,13 @@ def test_a_damaged_latest_step_gives_way_to_the_one_before_with_one_warning(tmp_
     assert lines[0].startswith(f"error: checkpoint '{latest}': cannot restore 'params': "), lines
     assert "pybind11" not in lines[0]
 
+  # A tokenizer that cannot be read is named as the command line gave it.
+  proc = run_script("sample.py", f"--checkpoint={older}", "--prompt=ab",
+                    f"--tokenizer={tmp_path / 'none.model'}", check=False)
+  lines = [line for line in proc.stderr.splitlines() if not line.startswith("compiled")]
+  assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+  assert lines[0].startswith(f"error: --tokenizer='{tmp_path / 'none.model'}' cannot be read"), lines
+
 
 def test_a_gpu_run_s_checkpoint_evaluates_samples_and_exports_on_a_cpu(tmp_path, tokens_file):
   ours = save(tmp_path / "cpu", seed=3)

@@ -26,6 +26,9 @@ def files(tmp_path_factory):
   (root / "not_a_checkpoint" / "params" / "junk").write_bytes(b"junk")
   np.save(root / "tokens_1d.npy", np.arange(5))
   np.save(root / "tokens.npy", np.zeros((2, 4), np.int32))
+  np.savez(root / "tokens.npz", tokens=np.zeros((2, 4), np.int32))
+  (root / "run" / "checkpoints").mkdir(parents=True)  # a workdir before its first checkpoint
+  (root / "file").write_text("x")
   (root / "exists").mkdir()
   (root / "typo.py").write_text(
       "from recurrentgemma_jax import configlib\n\n"
@@ -46,12 +49,17 @@ TRAIN_CASES = [
      "data.paths='/nonexistent/*.txt' matches no file"),
     (["--config.data.tokenizer={root}/garbage.model"], "data.tokenizer="),
     (["--config", "{root}/nope.py"], "nope.py' does not exist"),
+    (["--config", "{root}"], "is a directory; name a config file in it"),
+    (["--config", os.path.join(ROOT, "configs", "default.py") + ":400m"],
+     "configs/default.py takes no argument, got '400m'; for a model size use e.g. "
+     "configs/griffin.py:400m"),
     (["--config", os.path.join(ROOT, "configs", "griffin.py") + ":999m"],
      "griffin size '999m' is not one of"),
     (["--config", os.path.join(ROOT, "configs", "synthetic.py") + ":induction_heads,gla"],
      "synthetic model 'gla' is not one of griffin|hawk|mqa"),
     (["--config.batch_size=abc"], "--config.batch_size='abc' is not a valid int"),
     (["--config.seq_len=-5"], "seq_len="),
+    (["--config.model.lru_width=-8"], "model.lru_width=-8 must be a positive integer"),
     (["--config.zero=2"], "zero=2 is not one of 0|1|3"),
     (["--config.mesh.data=3"], "mesh.data=3"),
     (["--config.mesh.slices=3"], "mesh.slices=3 does not divide the data axis"),
@@ -181,6 +189,12 @@ def test_attention_impl_is_only_checked_where_the_model_has_attention():
                   "--nll_out={root}/o.npy"], "has no 'params' and 'model_config' items"),
     ("evaluate", ["--checkpoint={root}/exists", "--tokens={root}/tokens_1d.npy",
                   "--nll_out={root}/o.npy"], "expected integers of shape [N, T]"),
+    ("evaluate", ["--checkpoint={root}/exists", "--tokens={root}/tokens.npz",
+                  "--nll_out={root}/o.npy"], "is an .npz archive; save one array with np.save"),
+    ("evaluate", ["--checkpoint={root}/run", "--tokens={root}/tokens.npy",
+                  "--nll_out={root}/o.npy"], "is a training workdir with no checkpoint yet"),
+    ("evaluate", ["--checkpoint={root}/file", "--tokens={root}/tokens.npy",
+                  "--nll_out={root}/o.npy"], "is a file; expected a directory"),
     ("sample", ["--checkpoint=/nonexistent", "--prompt=x", "--top_k=40"],
      "--top_k applies only when sampling; --temperature=0 decodes greedily"),
     ("sample", ["--checkpoint=/nonexistent", "--prompt=x", "--temperature=nan"],
