@@ -31,6 +31,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from recurrentgemma_jax import model as model_lib
+from recurrentgemma_jax import errors
 from recurrentgemma_jax.errors import CheckpointError, first_line
 
 PARAMS = "params"
@@ -255,6 +256,7 @@ def restore_params(path: str, params_abstract: nnx.State, shardings=None, *,
     restored = ckptr.restore(path, ocp.args.Composite(
         **{PARAMS: ocp.args.StandardRestore(relayout(target, cfg, saved_cfg))}))[PARAMS]
   except Exception as e:  # Orbax raises many types for a damaged or mismatched tree.
+    errors.UNREADABLE.add(os.path.abspath(path))
     raise CheckpointError(f"checkpoint {path!r}: cannot restore '{PARAMS}': "
                           f"{first_line(_innermost(e))}") from None
   if saved_cfg.layers_scanned != cfg.layers_scanned:

@@ -13,6 +13,7 @@ import traceback
 
 from absl import logging as absl_logging
 
+from recurrentgemma_jax import errors
 from recurrentgemma_jax.errors import CheckpointError, ConfigError, first_line
 
 USER_ERRORS = (ConfigError, CheckpointError)
@@ -77,8 +78,10 @@ def quiet_background_failures() -> None:
   (``checkpoint.restore_newest``). Orbax also logs the failure, with a traceback, from each
   thread and task it passed through (absl and asyncio loggers), and TensorStore reads and
   writes that finish after Orbax closed its event loop print ``Event loop is closed``
-  tracebacks (hundreds of lines): those repeats are dropped. Every other log record and
-  exception is untouched. For every entry point that reads or writes checkpoints."""
+  tracebacks (hundreds of lines), and asyncio reports reads of a checkpoint already named
+  unreadable that no one awaited (``errors.UNREADABLE``): those repeats are dropped. Every
+  other log record and exception is untouched. For every entry point that reads or writes
+  checkpoints."""
   if _QUIETED:
     return
   _QUIETED.append(True)
@@ -87,6 +90,11 @@ def quiet_background_failures() -> None:
   def keep(record: logging.LogRecord) -> bool:
     if not record.exc_info:
       return True
+    # asyncio's "Future exception was never retrieved" for such a read (its exception comes
+    # from TensorStore, without Python frames): named by path, as the one line named it.
+    failure = str(record.exc_info[1])
+    if any(f'"{path}{os.sep}' in failure for path in errors.UNREADABLE):
+      return False
     if orbax in record.pathname or ".orbax-checkpoint-tmp" in record.getMessage():
       return False
     return not any(orbax in frame.filename
