@@ -253,10 +253,12 @@ class MetricsWriter:
     self.tty = sys.stdout.isatty()
     self.primary = jax.process_index() == 0  # the one process that writes (shared workdir)
     self.kept: list[dict[str, Any]] = []
+    self.dropped = 0  # lines of an earlier run past ``resume_step``
     if self.primary and os.path.exists(self.path):
       # Keep what the resumed run will not log again; a line cut short by a kill is dropped.
-      self.kept = [r for r in read_metrics(workdir)
-                   if r.get("step", resume_step + 1) <= resume_step]
+      logged = read_metrics(workdir)
+      self.kept = [r for r in logged if r.get("step", resume_step + 1) <= resume_step]
+      self.dropped = len(logged) - len(self.kept)
       with open(self.path + ".tmp", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in self.kept)
       os.replace(self.path + ".tmp", self.path)
@@ -764,6 +766,10 @@ def _loop(config, plan: Setup, log, compiled, checkpoints: "Checkpoints", n_para
   flops_per_token = flops.train_flops_per_token(model_cfg, config.seq_len)
   peak = flops.device_peak_flops()
   writer = MetricsWriter(checkpoints.workdir, start)
+  if not start and writer.dropped:  # an earlier run here that stopped before its first save
+    writer.message(f"note: no checkpoint in {checkpoints.workdir}/checkpoints, so this run "
+                   f"starts at step 0; metrics.jsonl's {writer.dropped} lines of the earlier "
+                   "run are replaced")
   writer.message(
       f"{model_cfg.family} model: {n_params / 1e6:.2f}M parameters, "
       f"{len(model_cfg.resolved_block_types)} blocks; mesh data={mesh.shape['data']} "

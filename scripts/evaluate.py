@@ -3,7 +3,9 @@
   python scripts/evaluate.py --checkpoint DIR --tokens IN.npy --nll_out OUT.npy [--dtype float32] \
       [--batch_size=8] [--memory_limit_gib=0]
 
-``IN.npy``: int32 ``[N, T]`` token ids, one sequence per row. ``OUT.npy``: float32 ``[N, T-1]``,
+``IN.npy``: int32 ``[N, T]`` token ids, one sequence per row, in the checkpoint's tokenizer's ids
+(the byte tokenizer's id of byte ``b`` is ``b + 3``, after pad 0, bos 1, eos 2; start a row with
+bos as training does; every position is scored, padding included). ``OUT.npy``: float32 ``[N, T-1]``,
 the NLL (nats) of ``tokens[:, t+1]`` given ``tokens[:, :t+1]``. Prints the mean NLL and the
 perplexity. ``DIR`` is an imported checkpoint or a training workdir (its latest readable step).
 

@@ -204,6 +204,19 @@ def test_ctrl_c_saves_the_step_in_progress_exits_130_and_the_rerun_resumes(tmp_p
   assert saved_steps(tmp_path)[0] == step  # kept
 
 
+def test_a_rerun_after_a_run_that_saved_no_checkpoint_says_it_starts_at_step_0(tmp_path,
+                                                                              compile_cache):
+  # What a run killed before its first save leaves: its metrics, no checkpoint.
+  (tmp_path / "metrics.jsonl").write_text("".join(
+      json.dumps({"step": s, "loss": 9.0}) + "\n" for s in (1, 2, 3)))
+  proc = train(tmp_path, "--config.total_steps=2", "--config.eval_every=0",
+               "--config.log_every=1", cache=compile_cache)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert (f"note: no checkpoint in {tmp_path}/checkpoints, so this run starts at step 0; "
+          "metrics.jsonl's 3 lines of the earlier run are replaced") in proc.stdout, proc.stdout
+  assert [r["loss"] != 9.0 for r in records(tmp_path) if "loss" in r] == [True, True]
+
+
 def test_ctrl_c_while_compiling_exits_at_once_with_one_line(tmp_path, compile_cache):
   run = Started(train_cmd(tmp_path, "--config.total_steps=5"), env(compile_cache))
   assert run.wait_for("compiling the training"), run.output()[-3000:]
