@@ -451,6 +451,10 @@ def train_all(runs: list[Run], args) -> list[str]:
       print(f"{run.name}: done in {time.time() - began:.0f} s", flush=True)
     elif proc.returncode == 0 and stopped:
       print(f"time limit: {run.name} stopped (rerun to continue)", flush=True)
+    elif proc.returncode == 130:
+      print(f"{run.name}: interrupted (Ctrl-C; its step is saved: rerun to continue)",
+            flush=True)
+      failed.append(run.name)
     else:
       print(f"{run.name}: FAILED (exit {proc.returncode}; see {run.workdir}/train.log)")
       failed.append(run.name)
@@ -792,4 +796,9 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  try:
+    main()
+  except KeyboardInterrupt:  # Ctrl-C reached the trainings too: each saves its step and stops
+    print("interrupted (Ctrl-C): each training saves the step it is at; rerun the same command "
+          "to resume", file=sys.stderr)
+    sys.exit(130)

@@ -108,7 +108,9 @@ def train_all(runs, args):
       task, model, proc, start = item
       if proc.poll() is not None:
         active.remove(item)
-        status = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
+        status = ("done" if proc.returncode == 0 else
+                  "interrupted (Ctrl-C; its step is saved: rerun to continue)"
+                  if proc.returncode == 130 else f"FAILED (exit {proc.returncode})")
         print(f"{task} / {model}: {status} in {time.time() - start:.0f} s", flush=True)
         if proc.returncode:
           failed.append((task, model))
@@ -422,4 +424,9 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  try:
+    main()
+  except KeyboardInterrupt:  # Ctrl-C reached the trainings too: each saves its step and stops
+    print("interrupted (Ctrl-C): each training saves the step it is at; rerun the same command "
+          "to resume", file=sys.stderr)
+    sys.exit(130)
