@@ -18,6 +18,11 @@ from recurrentgemma_jax.errors import CheckpointError, ConfigError, first_line
 
 USER_ERRORS = (ConfigError, CheckpointError)
 
+# train.py's exit code after a Ctrl-C (the shell's for an interrupt), the step in progress saved;
+# how the scripts that run trainings report one.
+INTERRUPTED = 130
+INTERRUPTED_RUN = "interrupted (Ctrl-C; its step is saved: rerun to continue)"
+
 # Device nodes of the accelerators JAX runs on: NVIDIA (and WSL's), AMD, TPUs (v4: accel; v5e
 # and later: vfio).
 _ACCELERATOR_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg", "/dev/kfd", "/dev/accel*",
@@ -218,6 +223,17 @@ def parse_config_flags(argv: list[str], *, default_config: str, define=None, usa
   if positional:
     raise ConfigError(f"unknown argument {positional[0]!r}")
   return holder.value, {name: h.value for name, h in holders.items()}
+
+
+def run_trainings(main) -> None:
+  """``main()`` of a script that runs trainings as subprocesses: a Ctrl-C, which reaches them
+  too (each saves its step and stops), is one line and exit ``INTERRUPTED``."""
+  try:
+    main()
+  except KeyboardInterrupt:
+    print("interrupted (Ctrl-C): each training saves the step it is at; rerun the same command "
+          "to resume", file=sys.stderr)
+    sys.exit(INTERRUPTED)
 
 
 def run(main) -> None:

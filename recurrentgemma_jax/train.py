@@ -28,7 +28,7 @@ from jax.experimental import multihost_utils
 from pallas_kernels import dispatch
 from pallas_kernels import loss as loss_kernels
 from recurrentgemma_jax import checkpoint as ckpt_lib
-from recurrentgemma_jax import aot, configlib, data, flops
+from recurrentgemma_jax import aot, cli, configlib, data, flops
 from recurrentgemma_jax import model as model_lib
 from recurrentgemma_jax import workdir as workdir_lib
 from recurrentgemma_jax.errors import CheckpointError, ConfigError, first_line
@@ -679,12 +679,11 @@ class _Stop:
 
   def _interrupt(self, signum, _):
     if self.interrupted or not self.stepped:
+      why = ("again; exiting without waiting for the save (the checkpoints already written are "
+             "kept)" if self.interrupted else "no step trained yet, nothing to save")
       sys.stdout.flush()
-      print("interrupted (Ctrl-C): " + ("again; exiting without waiting for the save (the "
-                                        "checkpoints already written are kept)" if
-                                        self.interrupted else "no step trained yet, nothing "
-                                        "to save"), file=sys.stderr, flush=True)
-      os._exit(130)  # pylint: disable=protected-access  (nothing unsaved is lost)
+      print(f"interrupted (Ctrl-C): {why}", file=sys.stderr, flush=True)
+      os._exit(cli.INTERRUPTED)  # pylint: disable=protected-access  (nothing unsaved is lost)
     self.interrupted = True
     if self.multi:
       os.kill(os.getpid(), signal.SIGTERM)  # to JAX's notifier: every process saves one step

@@ -451,9 +451,8 @@ def train_all(runs: list[Run], args) -> list[str]:
       print(f"{run.name}: done in {time.time() - began:.0f} s", flush=True)
     elif proc.returncode == 0 and stopped:
       print(f"time limit: {run.name} stopped (rerun to continue)", flush=True)
-    elif proc.returncode == 130:
-      print(f"{run.name}: interrupted (Ctrl-C; its step is saved: rerun to continue)",
-            flush=True)
+    elif proc.returncode == cli.INTERRUPTED:
+      print(f"{run.name}: {cli.INTERRUPTED_RUN}", flush=True)
       failed.append(run.name)
     else:
       print(f"{run.name}: FAILED (exit {proc.returncode}; see {run.workdir}/train.log)")
@@ -796,9 +795,4 @@ def main():
 
 
 if __name__ == "__main__":
-  try:
-    main()
-  except KeyboardInterrupt:  # Ctrl-C reached the trainings too: each saves its step and stops
-    print("interrupted (Ctrl-C): each training saves the step it is at; rerun the same command "
-          "to resume", file=sys.stderr)
-    sys.exit(130)
+  cli.run_trainings(main)

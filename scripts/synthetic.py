@@ -108,9 +108,8 @@ def train_all(runs, args):
       task, model, proc, start = item
       if proc.poll() is not None:
         active.remove(item)
-        status = ("done" if proc.returncode == 0 else
-                  "interrupted (Ctrl-C; its step is saved: rerun to continue)"
-                  if proc.returncode == 130 else f"FAILED (exit {proc.returncode})")
+        status = ("done" if proc.returncode == 0 else cli.INTERRUPTED_RUN
+                  if proc.returncode == cli.INTERRUPTED else f"FAILED (exit {proc.returncode})")
         print(f"{task} / {model}: {status} in {time.time() - start:.0f} s", flush=True)
         if proc.returncode:
           failed.append((task, model))
@@ -424,9 +423,4 @@ def main():
 
 
 if __name__ == "__main__":
-  try:
-    main()
-  except KeyboardInterrupt:  # Ctrl-C reached the trainings too: each saves its step and stops
-    print("interrupted (Ctrl-C): each training saves the step it is at; rerun the same command "
-          "to resume", file=sys.stderr)
-    sys.exit(130)
+  cli.run_trainings(main)

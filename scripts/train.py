@@ -41,7 +41,7 @@ def _exit_interrupted(signum, frame):  # pylint: disable=unused-argument
   nothing unsaved is lost; the exit code is the shell's for an interrupt."""
   sys.stdout.flush()
   print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
-  os._exit(130)  # pylint: disable=protected-access
+  os._exit(cli.INTERRUPTED)  # pylint: disable=protected-access
 
 
 def main(argv: list[str]) -> None:
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> None:
       signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except train.Interrupted:  # the step in progress saved, the line printed
       sys.stdout.flush()
-      sys.exit(130)
+      sys.exit(cli.INTERRUPTED)
     except train.NonFiniteLoss as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(3)

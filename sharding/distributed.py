@@ -55,8 +55,8 @@ def arguments(env: Mapping[str, str], tpu_vm: Callable[[], bool]) -> dict | None
       # One process has nothing to join (scripts/launch_gpus.sh on one GPU): JAX's service
       # would only log its cancelled task watch at exit (jax 0.11 on a GPU, session 55).
       return None
-    return dict(coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
-                num_processes=values["JAX_NUM_PROCESSES"], process_id=values["JAX_PROCESS_ID"])
+    return dict(coordinator_address=env["JAX_COORDINATOR_ADDRESS"], num_processes=count,
+                process_id=index)
   if int(env.get("SLURM_NTASKS", "1")) > 1 or "," in env.get("TPU_WORKER_HOSTNAMES", ""):
     return {}  # the cluster environment supplies everything
   # (a run told to keep off the TPUs, JAX_PLATFORMS=cpu, is one process like any other)
