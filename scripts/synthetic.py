@@ -12,8 +12,9 @@ Each run is ``scripts/train.py --config configs/synthetic.py:TASK,MODEL`` (the m
 recipe) in ``DIR/TASK/MODEL`` (its log in ``train.log`` there); rerunning resumes unfinished runs
 and re-evaluates. ``--parallel`` runs that many trainings at once (the models are tiny; on a GPU
 they share it); ``--time_limit`` stops the trainings still running after that many seconds
-(SIGTERM: each saves its step and exits; rerun to continue). Then each latest checkpoint is
-evaluated on ``--eval_rows`` held-out rows per length. Writes (rewritten after each evaluated
+(SIGTERM: each saves its step and exits; rerun to continue); a training stopped by Ctrl-C has
+saved its step too, and the script then exits 130. Then each latest checkpoint is evaluated on
+``--eval_rows`` held-out rows per length (a run with none yet reads "-"). Writes (rewritten after each evaluated
 run) ``DIR/synthetic.md`` (the table), ``DIR/synthetic.json``, ``DIR/learning.png`` (held-out
 answer accuracy against training step, Fig. 6(a)) and ``DIR/lengths.png`` (accuracy against
 evaluation length, Fig. 6(b)). ``--every_checkpoint`` also evaluates each kept checkpoint at
@@ -81,10 +82,12 @@ def train_overrides(task, args):
 
 
 def train_all(runs, args):
+  """Trains ``runs``, ``args.parallel`` at a time; returns ``(failed, interrupted)``: the
+  (task, model) pairs whose training failed, and those stopped by a Ctrl-C (saved)."""
   env = dict(os.environ, PYTHONUNBUFFERED="1")
   if args.parallel > 1:  # several processes on one GPU: share its memory
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  waiting, active, failed = list(runs), [], []
+  waiting, active, failed, interrupted = list(runs), [], [], []
   deadline = time.time() + args.time_limit if args.time_limit else None
   while waiting or active:
     if deadline and time.time() > deadline:
@@ -111,9 +114,11 @@ def train_all(runs, args):
         status = ("done" if proc.returncode == 0 else cli.INTERRUPTED_RUN
                   if proc.returncode == cli.INTERRUPTED else f"FAILED (exit {proc.returncode})")
         print(f"{task} / {model}: {status} in {time.time() - start:.0f} s", flush=True)
-        if proc.returncode:
+        if proc.returncode == cli.INTERRUPTED:  # its step is saved: evaluated as it stands
+          interrupted.append((task, model))
+        elif proc.returncode:
           failed.append((task, model))
-  return failed
+  return failed, interrupted
 
 
 def accuracy_at_lengths(task, model, workdir, lengths, args):
@@ -391,7 +396,8 @@ def main():
   lengths.update(_per_task(args.lengths, lambda v: tuple(int(x) for x in v.split(","))))
 
   runs = [(t, m, os.path.join(args.out, t, m)) for t in args.tasks for m in args.models]
-  failed = [] if args.skip_training else train_all(runs, args)
+  from recurrentgemma_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  failed, interrupted = ([], []) if args.skip_training else train_all(runs, args)
   results, steps_done, curves, by_step, breakdown = {}, {}, {}, {}, {}
   report = lambda: write_report(args.out, results, steps_done, curves, lengths, args, failed,
                                 by_step, breakdown)
@@ -399,6 +405,12 @@ def main():
   table = report()
   for task, model, workdir in runs:
     if (task, model) in failed:
+      continue
+    if not checkpoint.committed_steps(os.path.join(workdir, "checkpoints")):
+      print(f"{task} / {model}: no checkpoint yet in {workdir} (rerun without --skip_training "
+            "to train it)" if args.skip_training else
+            f"{task} / {model}: stopped before its first checkpoint (rerun to continue)",
+            flush=True)
       continue
     steps_done[(task, model)], curves[(task, model)] = learning_curve(workdir)
     results[(task, model)], parts = accuracy_at_lengths(task, model, workdir, lengths[task], args)
@@ -408,7 +420,6 @@ def main():
                                              for n, a in results[(task, model)].items()),
           flush=True)
     if args.every_checkpoint:
-      from recurrentgemma_jax import checkpoint  # pylint: disable=g-import-not-at-top
       table = report()  # the latest checkpoint's figures, before the slower pass over all
       ckpt_dir = os.path.join(workdir, "checkpoints")
       latest = checkpoint.resolve_model_dir(workdir)  # measured above
@@ -419,7 +430,7 @@ def main():
           for step in reversed(checkpoint.committed_steps(ckpt_dir))}
     table = report()
   print(table)
-  sys.exit(1 if failed else 0)
+  sys.exit(1 if failed else cli.INTERRUPTED if interrupted else 0)
 
 
 if __name__ == "__main__":

@@ -280,10 +280,13 @@ def test_synthetic_experiment_script_trains_evaluates_beyond_training_length(tmp
   assert "| hawk | 4 |" in table and "| mqa | 4 |" in table
   assert "induction_heads / mqa, accuracy at L=32 by the distance between the markers" in table
   assert (tmp_path / "lengths.png").stat().st_size and (tmp_path / "learning.png").stat().st_size
-  # Re-evaluating the saved checkpoints gives the same numbers (the eval rows are fixed).
-  run_script("synthetic.py", *args, "--skip_training")
+  # Re-evaluating the saved checkpoints gives the same numbers (the eval rows are fixed); a
+  # run not trained yet is one line and "-" in the table.
+  out = run_script("synthetic.py", *args, "--skip_training", "--models=hawk,mqa,griffin").stdout
   with open(tmp_path / "synthetic.json") as f:
     assert json.load(f) == first
+  assert "induction_heads / griffin: no checkpoint yet in" in out
+  assert "| griffin | - | - | - | - |" in (tmp_path / "synthetic.md").read_text()
   # --merge: runs made apart (seeds, variants) in one plot and a table of first steps at
   # 50/90/99%, from their synthetic.json files.
   other = tmp_path / "seed1"
