@@ -195,6 +195,10 @@ def read_json_item(path: str, item: str) -> dict[str, Any]:
 def read_model_config(path: str) -> tuple[model_lib.ModelConfig, dict[str, Any]]:
   """The model config and the raw JSON (which also names the tokenizer)."""
   meta = read_json_item(path, MODEL_CONFIG)
+  copy = os.path.join(path, TOKENIZER)  # save_model's copy: found again after a move
+  if (meta.get("tokenizer") not in (None, "byte") and not os.path.isfile(meta["tokenizer"])
+      and os.path.isfile(copy)):
+    meta["tokenizer"] = copy
   try:
     # (Written before model.scan_layers existed: one entry per layer.)
     return model_lib.ModelConfig.from_dict({"scan_layers": False} | meta), meta

@@ -241,7 +241,7 @@ def validate(config: ml_collections.ConfigDict, *, process_count: int = 1,
       if not errors and cfg.attention_impl == "cudnn" and cfg.has_attention:
         errors += _cudnn_errors(cfg)
       if not errors and config.init_from:
-        errors += _init_from_errors(config.init_from, cfg)
+        errors += _init_from_errors(config.init_from, cfg, config.data.tokenizer)
   if errors:
     raise ConfigError("\n".join(errors))
 
@@ -252,15 +252,20 @@ def _cudnn_errors(cfg: model_lib.ModelConfig) -> list[str]:
       if problem else []
 
 
-def _init_from_errors(path: str, cfg: model_lib.ModelConfig) -> list[str]:
+def _init_from_errors(path: str, cfg: model_lib.ModelConfig, tokenizer: str = "byte"
+                      ) -> list[str]:
   """``init_from`` must be a model checkpoint with this run's parameter shapes."""
   from recurrentgemma_jax import checkpoint  # pylint: disable=g-import-not-at-top
   if not os.path.exists(path):
     return [f"init_from={path!r} does not exist"]
   try:
-    saved, _ = checkpoint.read_model_config(checkpoint.resolve_model_dir(path))
+    saved, meta = checkpoint.read_model_config(checkpoint.resolve_model_dir(path))
   except CheckpointError as e:
     return [f"init_from: {e}"]
+  theirs = meta.get("tokenizer")
+  if theirs and (theirs == "byte") != (tokenizer == "byte"):  # ids of another vocabulary
+    return [f"init_from={path!r} was trained with the tokenizer {theirs!r} but this run has "
+            f"data.tokenizer={tokenizer!r}; set --config.data.tokenizer={theirs}"]
   difference = checkpoint.shape_difference(saved, cfg)
   if difference:
     field, theirs, ours = difference

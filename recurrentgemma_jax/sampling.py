@@ -62,7 +62,9 @@ def choose(logits, key, temperature: float, top_k: int, top_p: float):
   """One token per row from ``logits`` ``[B, V]``."""
   if temperature == 0.0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  logits = logits.astype(jnp.float32) / temperature
+  logits = logits.astype(jnp.float32)
+  # (the largest logit 0 first: a tiny temperature gives -inf, never inf, and stays greedy)
+  logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
   if top_k and top_k < logits.shape[-1]:  # (the whole vocabulary or more: no truncation)
     kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
     logits = jnp.where(logits < kth, -jnp.inf, logits)

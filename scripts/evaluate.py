@@ -56,6 +56,10 @@ def main(argv=None) -> None:
       raise ConfigError(f"--batch_size={args.batch_size} must be positive")
     if not args.memory_limit_gib >= 0:  # (NaN too)
       raise ConfigError(f"--memory_limit_gib={args.memory_limit_gib} must be >= 0")
+    if args.train_len < 0:
+      raise ConfigError(f"--train_len={args.train_len} must be >= 0 (0: none)")
+    if not args.nll_out.endswith(".npy"):  # (np.save would write NLL_OUT.npy)
+      raise ConfigError(f"--nll_out {args.nll_out!r} must end in .npy")
     device = jax.local_devices()[0]
     model = aot.checkpoint_model(args.checkpoint, device, dtype=args.dtype)
     if tokens.max() >= model.cfg.vocab_size:
@@ -76,7 +80,9 @@ def main(argv=None) -> None:
           f"per device of {aot.human_bytes(limit) if limit else 'an unknown amount'}")
     params = model.restore()
     nll = evaluation.nll_in_batches(lambda batch: program.compiled(params, batch), tokens, rows)
-    os.makedirs(os.path.dirname(os.path.abspath(args.nll_out)), exist_ok=True)
+    for out in (args.nll_out, args.curve_out, args.plot):  # (their folders made as needed)
+      if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     np.save(args.nll_out, nll)
     mean = float(nll.mean())
     print(f"mean NLL {mean:.6f} nats/token, perplexity {np.exp(mean):.4f} "

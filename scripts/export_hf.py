@@ -54,7 +54,9 @@ def main(argv=None) -> None:
     print(f"exported {cfg.num_layers} blocks "
           f"({''.join(t[0].upper() for t in cfg.resolved_block_types)}), width {cfg.width}, "
           f"window {cfg.attention_window_size} (transformers' attention_window_size "
-          f"{cfg.attention_window_size + 1}) -> {args.dst}: {', '.join(files)}")
+          f"{cfg.attention_window_size + 1}) -> {args.dst}: "
+          + (", ".join(files) if len(files) <= 4 else
+             f"{len(files)} files ({sum(f.endswith('.safetensors') for f in files)} shards)"))
 
 
 if __name__ == "__main__":

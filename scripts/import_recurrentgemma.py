@@ -76,14 +76,20 @@ def main(argv=None) -> None:
     flags = OFFICIAL_DEFAULTS | given
     if flags["attention_window_size"] <= 0:
       raise CheckpointError(f"--attention_window_size={args.attention_window_size} must be > 0")
+    import warnings  # pylint: disable=g-import-not-at-top
     try:
-      tree = ocp.PyTreeCheckpointer().restore(src)
+      with warnings.catch_warnings():  # (Orbax's note on sharding, irrelevant for a bare tree)
+        warnings.filterwarnings("ignore", message="Sharding info not provided")
+        tree = ocp.PyTreeCheckpointer().restore(src)
     except Exception as e:  # Orbax raises many types for a damaged checkpoint.
       raise CheckpointError(f"--src {args.src!r} is not a readable Orbax checkpoint: "
                             f"{cli.first_line(e)}") from None
     if not isinstance(tree, dict):
       raise CheckpointError(f"--src {args.src!r} does not hold a parameter tree")
-    cfg = official.infer_config(tree, **flags)
+    try:
+      cfg = official.infer_config(tree, **flags)
+    except CheckpointError as e:
+      raise CheckpointError(f"--src {args.src!r}: {e}") from None
     errors = cfg.errors()
     if errors:
       raise CheckpointError(f"--src {args.src!r}: inferred architecture is invalid: {errors[0]}")

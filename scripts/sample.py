@@ -1,8 +1,10 @@
 """Continues a prompt with a trained or imported model, streaming the text as it is sampled.
 
   python scripts/sample.py --checkpoint DIR --prompt "def fibonacci(n):" \
-      [--max_new_tokens=200] [--temperature=0.8] [--top_k=0] [--top_p=0.95] [--seed=0] \
+      [--max_new_tokens=200] [--temperature=0] [--top_k=0] [--top_p=1] [--seed=0] \
       [--tokenizer=PATH] [--dtype=float32] [--memory_limit_gib=0]
+
+(the defaults shown; temperature 0 is greedy, and top_k/top_p need a temperature > 0)
 
 The tokenizer is the one the checkpoint was trained with (byte-level, or the SentencePiece file
 recorded in it); ``--tokenizer`` overrides it (an imported official checkpoint needs
@@ -117,11 +119,13 @@ def main(argv=None) -> None:
       return lowered
 
     limit = aot.memory_limit(args.memory_limit_gib, device)
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.state))
     started = time.perf_counter()
     what = f"sampling {args.max_new_tokens} tokens after a {len(prompt)}-token prompt"
     program = aot.check_program(what, lower, args.max_new_tokens, flag="--max_new_tokens",
-                                limit=limit, hint="use a shorter --prompt or a device with "
-                                "more memory")
+                                limit=limit, hint=f"the parameters alone take "
+                                f"{aot.human_bytes(weights)}; use a shorter --prompt or a "
+                                "device with more memory")
     print(f"compiled {what} in {time.perf_counter() - started:.1f} s: "
           f"{aot.human_bytes(program.memory.total)} per device of "
           f"{aot.human_bytes(limit) if limit else 'an unknown amount'}", file=sys.stderr)

@@ -295,6 +295,9 @@ def test_sentencepiece_tokenizer_round_trip_and_pipeline(corpus, sentencepiece_m
   assert 16 < tokenizer.vocab_size <= 64
   text = "the lazy fox: document 12"
   assert tokenizer.decode(tokenizer.encode(text)) == text
+  # Ids past the tokenizer's pieces (a model.vocab_size padded above it) have no text.
+  beyond = [tokenizer.vocab_size, tokenizer.vocab_size + 31]
+  assert tokenizer.decode([*tokenizer.encode(text), *beyond]) == text
   assert data.validate(config, process_count=1) == []
   batches = take(data.make_train_iterator(config), 20)
   for b in batches:

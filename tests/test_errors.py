@@ -195,6 +195,10 @@ def test_attention_impl_is_only_checked_where_the_model_has_attention():
                   "--nll_out={root}/o.npy"], "is a training workdir with no checkpoint yet"),
     ("evaluate", ["--checkpoint={root}/file", "--tokens={root}/tokens.npy",
                   "--nll_out={root}/o.npy"], "is a file; expected a directory"),
+    ("evaluate", ["--checkpoint={root}/exists", "--tokens={root}/tokens.npy",
+                  "--nll_out={root}/o"], "--nll_out '{root}/o' must end in .npy"),
+    ("evaluate", ["--checkpoint={root}/exists", "--tokens={root}/tokens.npy",
+                  "--nll_out={root}/o.npy", "--train_len=-5"], "--train_len=-5 must be >= 0"),
     ("sample", ["--checkpoint=/nonexistent", "--prompt=x", "--top_k=40"],
      "--top_k applies only when sampling; --temperature=0 decodes greedily"),
     ("sample", ["--checkpoint=/nonexistent", "--prompt=x", "--temperature=nan"],
@@ -215,7 +219,7 @@ def test_other_scripts_reject_bad_input_with_one_line(script, args, expected, fi
   assert exit_info.value.code == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("error: "), err
-  assert expected in err[0], err
+  assert expected.format(root=files) in err[0], err
 
 
 def test_a_user_error_prints_no_traceback_from_the_command_line(tmp_path):
@@ -243,3 +247,14 @@ def test_init_from_with_other_settings_that_keep_the_shapes_warns(tmp_path, monk
   assert "model.block_types (local and global attention)" in message
   caplog.clear()
   assert configlib._init_from_errors(str(tmp_path / "x"), ours)  # (does not exist: an error)
+  # Ids of another vocabulary: a SentencePiece checkpoint fine-tuned on byte ids, or back.
+  monkeypatch.setattr(checkpoint, "read_model_config",
+                      lambda path: (ours, {"tokenizer": "/ckpt/tokenizer.model"}))
+  [line] = configlib._init_from_errors(str(tmp_path), ours, "byte")
+  assert "was trained with the tokenizer '/ckpt/tokenizer.model'" in line
+  assert "data.tokenizer='byte'" in line
+  assert "set --config.data.tokenizer=/ckpt/tokenizer.model" in line
+  assert configlib._init_from_errors(str(tmp_path), ours, "/other/tokenizer.model") == []
+  monkeypatch.setattr(checkpoint, "read_model_config", lambda path: (ours, {"tokenizer": "byte"}))
+  assert "trained with the tokenizer 'byte'" in configlib._init_from_errors(
+      str(tmp_path), ours, "/ckpt/tokenizer.model")[0]

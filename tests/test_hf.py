@@ -282,6 +282,10 @@ def test_a_relative_tokenizer_is_copied_in_and_exported_from_anywhere(tmp_path, 
   line = refused(capsys, import_script.main, f"--src={DATA}/attention_first", "--dst=again",
                  "--tokenizer=sp.model")  # (relative to elsewhere: not there)
   assert "--tokenizer 'sp.model' is not a file" in line
+  # A checkpoint moved (or copied to another machine) finds the copy inside it.
+  shutil.move(tmp_path / "ours", tmp_path / "moved")
+  _, meta = checkpoint.read_model_config(str(tmp_path / "moved"))
+  assert meta["tokenizer"] == str(tmp_path / "moved" / "tokenizer.model")
 
 
 def test_an_export_without_the_tokenizer_says_so_in_one_line(tmp_path, capsys):

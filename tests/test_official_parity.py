@@ -55,8 +55,9 @@ def test_imported_checkpoint_matches_official_nll(tmp_path, pattern):
   src, dst = tmp_path / "official", tmp_path / "imported"
   ocp.PyTreeCheckpointer().save(str(src), params)  # the bare tree, as distributed
 
-  run_script("import_recurrentgemma.py", f"--src={src}", f"--dst={dst}",
-             "--attention_window_size=5")
+  imported = run_script("import_recurrentgemma.py", f"--src={src}", f"--dst={dst}",
+                        "--attention_window_size=5")
+  assert imported.stderr == "", imported.stderr  # (Orbax's restore warning is not the user's)
   # Through the transformers format and back.
   exported, again = tmp_path / "hf", tmp_path / "reimported"
   run_script("export_hf.py", f"--checkpoint={dst}", f"--dst={exported}")

@@ -101,6 +101,16 @@ def test_sampling_controls():
   np.testing.assert_array_equal(np.stack(seen, axis=1), greedy.tokens[:, :4])
 
 
+def test_a_tiny_temperature_samples_the_greedy_token():
+  # logits / 1e-45 overflow to inf for every positive logit, and sampling among infs took the
+  # first of them; the largest logit is made 0 first.
+  logits = jnp.asarray([[1.0, 3.0, 2.0, 50.0, 49.0], [-4.0, -1.0, -3.0, -2.0, -9.0]])
+  for seed in range(4):
+    for temperature in (1e-45, 1e-30):
+      np.testing.assert_array_equal(
+          sampling.choose(logits, jax.random.PRNGKey(seed), temperature, 0, 1.0), [3, 1])
+
+
 def test_top_k_of_the_whole_vocabulary_or_more_truncates_nothing():
   logits = jnp.asarray([[0.0, 1.0, 2.0], [3.0, 0.0, 1.0]])
   key = jax.random.PRNGKey(0)

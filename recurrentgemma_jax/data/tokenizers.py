@@ -77,7 +77,9 @@ class SentencePieceTokenizer:
     return np.asarray(self._sp.encode(text), np.int32)
 
   def decode(self, ids: Sequence[int]) -> str:
-    return self._sp.decode([int(i) for i in ids])
+    # A model may have more ids than the tokenizer pieces (model.vocab_size padded); those
+    # ids have no text (as in ByteTokenizer.decode), not an IndexError.
+    return self._sp.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
 
 
 def make_tokenizer(config) -> Tokenizer:
