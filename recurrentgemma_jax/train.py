@@ -13,6 +13,7 @@ import json
 import math
 import os
 import signal
+import stat
 import sys
 import time
 from typing import Any
@@ -660,11 +661,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str, plan: Setup, log,
 
 
 class _Stop:
-  """Whether to save and stop after a step: SIGTERM or Ctrl-C (SIGINT) in a single process; in
-  a multi-process run, JAX's preemption sync point (its notifier owns SIGTERM: when any process
-  is signalled, all agree on one step to save), which a Ctrl-C joins by sending its process a
-  SIGTERM. A Ctrl-C before this run's first step (nothing new to save) or a second one exits at
-  once; what is already saved stays (a save cut short is never the latest)."""
+  """Whether to save and stop after a step: SIGTERM, SIGHUP or Ctrl-C (SIGINT) in a single
+  process; in a multi-process run, JAX's preemption sync point (its notifier owns SIGTERM: when
+  any process is signalled, all agree on one step to save), which a Ctrl-C or a hang-up joins by
+  sending its process a SIGTERM. A Ctrl-C before this run's first step (nothing new to save) or
+  a second one exits at once; what is already saved stays (a save cut short is never the
+  latest). A hang-up (the terminal or tmux session closed, ``tee`` gone with it) also points
+  standard output and error, where they were a terminal or a pipe, at /dev/null: writing the
+  progress lines there would fail before the step is saved."""
 
   def __init__(self):
     self.multi = jax.process_count() > 1
@@ -676,6 +680,14 @@ class _Stop:
       self.previous[signal.SIGTERM] = signal.signal(
           signal.SIGTERM, lambda signum, _: setattr(self, "signal", signum))
     self.previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
+    self.previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, self._hang_up)
+
+  def _hang_up(self, signum, _):
+    silence_lost_outputs()
+    if self.multi:
+      os.kill(os.getpid(), signal.SIGTERM)
+    else:
+      self.signal = signum
 
   def _interrupt(self, signum, _):
     if self.interrupted or not self.stepped:
@@ -697,11 +709,26 @@ class _Stop:
     return self.signal is not None
 
   def name(self) -> str:
-    return f"signal {self.signal}" + (" (Ctrl-C)" if self.signal == signal.SIGINT else "")
+    return f"signal {self.signal}" + {signal.SIGINT: " (Ctrl-C)",
+                                      signal.SIGHUP: " (hang-up)"}.get(self.signal, "")
 
   def restore(self) -> None:
     for signum, handler in self.previous.items():
       signal.signal(signum, handler)
+
+
+def silence_lost_outputs() -> None:
+  """After a hang-up: standard output and error that were a terminal or a pipe (both gone with
+  the session) write to /dev/null from now on; a file they were redirected to is kept."""
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  for fd in (1, 2):
+    try:
+      mode = os.fstat(fd).st_mode
+    except OSError:
+      continue
+    if os.isatty(fd) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+      os.dup2(devnull, fd)
+  os.close(devnull)
 
 
 def all_finite(state) -> jax.Array:

@@ -22,7 +22,9 @@
 # travel in a script file inside the copy (train_command.sh), quoted once for the bash that
 # runs it, so they arrive verbatim ($HOME, quotes, spaces). The workdir must be storage every
 # worker sees (e.g. a gcsfuse mount of a bucket). Rerunning the same line resumes from the
-# latest checkpoint in the workdir; a preempted slice gets SIGTERM and saves first.
+# latest checkpoint in the workdir; a preempted slice gets SIGTERM and saves first, and so does
+# a run still going when the line is rerun (the launcher waits up to STOP_TIMEOUT seconds,
+# default 900, for it to save and end before it replaces the code).
 set -euo pipefail
 usage="usage: $0 TPU_NAME ZONE [PROJECT] -- TRAIN_ARGS..."
 # The separator is required: without it a training flag could be taken for the project.
@@ -34,7 +36,21 @@ else
   echo "$usage" >&2
   exit 2
 fi
+workdir_given=0
+for arg in "$@"; do
+  case $arg in --workdir|--workdir=?*) workdir_given=1 ;; esac
+done
+if (( ! workdir_given )); then
+  echo "error: no --workdir among the training arguments: give one on storage every worker" \
+       "sees (e.g. a gcsfuse mount of a bucket); each would train into its own ./workdir" >&2
+  exit 2
+fi
 python=${PYTHON:-python3}
+stop_timeout=${STOP_TIMEOUT:-900}
+if ! [[ $stop_timeout =~ ^[0-9]+$ ]]; then
+  echo "error: STOP_TIMEOUT=$stop_timeout must be a whole number of seconds" >&2
+  exit 2
+fi
 root="$(cd "$(dirname "$0")/.." && pwd)"
 # gcloud takes the command's flags after the command (`tpu-vm --zone Z ssh` is refused).
 flags=(--zone "$zone")
@@ -43,7 +59,7 @@ gcloud_tpu=(gcloud compute tpus tpu-vm)
 
 if [[ ${SKIP_COMPILE_CHECK:-0} != 1 ]]; then
   accelerator=${ACCELERATOR_TYPE:-$("${gcloud_tpu[@]}" describe "$tpu" "${flags[@]}" \
-      --format='value(acceleratorType)')}
+      --format='value(acceleratorType)' || true)}  # (its error, then ours below)
   if [[ -z $accelerator ]]; then
     echo "error: no accelerator type for $tpu (set ACCELERATOR_TYPE, e.g. v5p-128)" >&2
     exit 2
@@ -83,23 +99,41 @@ trap 'rm -rf "$staging"' EXIT
 {
   echo '#!/usr/bin/env bash'
   echo '# Written by scripts/launch_tpu_pod.sh: the training command, each argument quoted once.'
-  echo 'set -o pipefail'
   echo 'cd "$(dirname "$0")"'
+  echo '# (the run in the background, its id in ~/train.pid: a relaunch stops it by SIGTERM)'
   printf '%s scripts/train.py' "$python"
   printf ' %q' "$@"
-  echo ' 2>&1 | tee -a ~/train.log'
+  echo ' > >(tee -a ~/train.log) 2>&1 &'
+  echo 'echo $! > ~/train.pid'
+  echo 'wait $!'
 } > "$staging/train_command.sh"
 tar -czf "$staging/recurrentgemma_jax.tgz" -C "$root" --exclude=.git --exclude=runs \
     --exclude=workdir --exclude=./train_command.sh . -C "$staging" train_command.sh
 "${gcloud_tpu[@]}" scp "$staging/recurrentgemma_jax.tgz" "$tpu":~/ "${flags[@]}" --worker=all
 # The tmux command names only the script, so no argument is parsed by another shell; a session
 # gone right after its start (the command could not run) fails the launcher.
+# A run still going on a worker (a relaunch) is stopped first as a preemption would: SIGTERM,
+# and every worker's run saves the same step; only once it has ended is its code replaced.
 on_workers "
   set -e
+  pid=\$(cat ~/train.pid 2>/dev/null || true)
+  if [[ -n \$pid ]] && grep -qs scripts/train.py /proc/\$pid/cmdline; then
+    echo \"worker \$(hostname): stopping the run there (SIGTERM: it saves its step first)\"
+    kill -TERM \$pid
+    for ((i = 0; i < $stop_timeout; i++)); do
+      grep -qs scripts/train.py /proc/\$pid/cmdline || break
+      sleep 1
+    done
+    if grep -qs scripts/train.py /proc/\$pid/cmdline; then
+      echo \"error: worker \$(hostname): the run there did not stop within $stop_timeout s\" \\
+           \"(STOP_TIMEOUT); nothing started\" >&2
+      exit 3
+    fi
+  fi
+  tmux kill-session -t train 2>/dev/null || true
   mkdir -p ~/recurrentgemma_jax && tar -xzf ~/recurrentgemma_jax.tgz -C ~/recurrentgemma_jax
   cd ~/recurrentgemma_jax
   $python -m pip install -q -e '.[tpu]'
-  tmux kill-session -t train 2>/dev/null || true
   tmux new-session -d -s train 'bash ~/recurrentgemma_jax/train_command.sh'
   sleep 1
   tmux has-session -t train" "the start (its output: ~/train.log there)"

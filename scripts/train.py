@@ -5,8 +5,9 @@
 With no arguments it trains the default small Griffin (configs/default.py) on the built-in
 corpus into ./workdir. Metrics go to DIR/metrics.jsonl and DIR/tensorboard, checkpoints to
 DIR/checkpoints; DIR/lock keeps a second run out. SIGTERM saves the current step and exits 0
-(on several processes: all save the same step); Ctrl-C too, then exits 130 (a second Ctrl-C
-exits at once, keeping what is saved). Flags are absl flags, the config through
+(on several processes: all save the same step), and so does a hang-up (SIGHUP: the terminal or
+tmux session closed); Ctrl-C too, then exits 130 (a second Ctrl-C exits at once, keeping what
+is saved). Flags are absl flags, the config through
 ml_collections.config_flags.
 """
 
@@ -46,9 +47,10 @@ def _exit_interrupted(signum, frame):  # pylint: disable=unused-argument
 
 def main(argv: list[str]) -> None:
   """``argv``: the command line, program name first."""
-  # The training loop installs its own SIGTERM and SIGINT handlers (save the step, then stop)
+  # The training loop installs its own SIGTERM, SIGHUP and SIGINT handlers (save the step, then stop)
   # and restores these when it ends.
   signal.signal(signal.SIGTERM, _exit_zero)
+  signal.signal(signal.SIGHUP, _exit_zero)  # (a terminal or tmux session closed)
   signal.signal(signal.SIGINT, _exit_interrupted)
   # A file-size limit makes writes fail (EFBIG: a checkpoint that cannot be written stops the
   # run with one line) instead of killing the process.
@@ -65,6 +67,7 @@ def main(argv: list[str]) -> None:
       # handled signal back to its default (killed: -15) before JAX's teardown, which can take a
       # while; an ignored one stays ignored, so a late SIGTERM still ends in exit 0.
       signal.signal(signal.SIGTERM, signal.SIG_IGN)
+      signal.signal(signal.SIGHUP, signal.SIG_IGN)
     except train.Interrupted:  # the step in progress saved, the line printed
       sys.stdout.flush()
       sys.exit(cli.INTERRUPTED)

@@ -56,14 +56,16 @@ exit $status
 _TMUX = r"""#!/usr/bin/env bash
 case $1 in
   kill-session) exit 1 ;;
-  new-session) (sh -c "$5"; touch "$HOME/tmux.ended") > "$HOME/tmux.out" 2>&1 & ;;
+  new-session) rm -f "$HOME/tmux.ended"
+               (sh -c "$5"; touch "$HOME/tmux.ended") > "$HOME/tmux.out" 2>&1 & ;;
   has-session) [[ ! -e $HOME/tmux.ended ]] ;;
 esac
 """
 
 # A worker's interpreters: python3 is a stock image's 3.10, python3.11 a good one. train.py
-# writes its arguments, NUL-separated, and stays up a few seconds (or exits at once with
-# TRAIN_EXITS set, a run that could not start).
+# writes its arguments, NUL-separated, and stays up TRAIN_SECONDS (default 3; or exits at once
+# with TRAIN_EXITS set, a run that could not start); a SIGTERM makes it "save" and exit 0, or
+# with TRAIN_IGNORES_TERM set, nothing (a run that does not stop).
 _PYTHON = r"""#!/usr/bin/env bash
 case $1 in
   -c) [[ $(basename "$0") == python3.11 ]]; exit ;;
@@ -71,7 +73,10 @@ case $1 in
   scripts/train.py)
     shift; printf '%s\0' "$@" > "$HOME/argv"
     if [[ -n ${TRAIN_EXITS:-} ]]; then exit 1; fi
-    sleep 3 ;;
+    if [[ -n ${TRAIN_IGNORES_TERM:-} ]]; then trap '' TERM; else
+      trap 'sleep 1; echo "saved $RUN" >> "$HOME/events"; kill $!; exit 0' TERM; fi
+    echo "started $RUN" >> "$HOME/events"
+    sleep "${TRAIN_SECONDS:-3}" & wait $!; wait $! ;;
 esac
 """
 
@@ -94,7 +99,7 @@ def _pod(tmp_path, args, workers=2, **env):
   gcloud lines and the worker directories."""
   homes = [tmp_path / f"worker{i}" for i in range(workers)]
   for home in homes:
-    home.mkdir()
+    home.mkdir(exist_ok=True)  # (a relaunch: the same workers)
   _executable(tmp_path / "bin" / "gcloud", _GCLOUD)
   for name, text in (("tmux", _TMUX), ("python3", _PYTHON), ("python3.11", _PYTHON)):
     _executable(tmp_path / "worker_bin" / name, text)
@@ -145,6 +150,41 @@ def test_tpu_pod_launcher_refuses_a_worker_python_older_than_3_11(tmp_path):
   assert len(calls) == 1  # nothing copied or installed
 
 
+def test_a_relaunch_stops_the_running_run_and_waits_for_its_save(tmp_path):
+  # The run started first is still going when the line is rerun: it gets SIGTERM (as in a
+  # preemption, the step saved) and has ended before the code is replaced and the new one
+  # starts. (tmux kill-session would have sent it SIGHUP, and the untar replaced its code.)
+  args = ["my-pod", "us-central2-b", "--", *_ARGS]
+  first, _, [home] = _pod(tmp_path, args, workers=1, PYTHON="python3.11", TRAIN_SECONDS="60",
+                          RUN="1")
+  assert first.returncode == 0, first.stderr
+  for _ in range(50):
+    if (home / "events").exists():
+      break
+    time.sleep(0.1)
+  again, _, _ = _pod(tmp_path, args, workers=1, PYTHON="python3.11", TRAIN_SECONDS="3", RUN="2")
+  assert again.returncode == 0, again.stderr
+  assert "stopping the run there (SIGTERM: it saves its step first)" in again.stdout
+  for _ in range(50):
+    if (home / "events").read_text().count("\n") >= 3:
+      break
+    time.sleep(0.1)
+  assert (home / "events").read_text().splitlines() == ["started 1", "saved 1", "started 2"]
+
+
+def test_a_relaunch_starts_nothing_while_the_old_run_does_not_stop(tmp_path):
+  args = ["my-pod", "us-central2-b", "--", *_ARGS]
+  first, _, [home] = _pod(tmp_path, args, workers=1, PYTHON="python3.11", TRAIN_SECONDS="30",
+                          TRAIN_IGNORES_TERM="1", RUN="1")
+  assert first.returncode == 0, first.stderr
+  again, _, _ = _pod(tmp_path, args, workers=1, PYTHON="python3.11", STOP_TIMEOUT="2", RUN="2")
+  assert again.returncode == 3, again.stderr
+  assert "the run there did not stop within 2 s (STOP_TIMEOUT); nothing started" in again.stderr
+  assert (home / "events").read_text().splitlines() == ["started 1"]
+  pid = int((home / "train.pid").read_text())
+  os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("args", [[], ["my-pod", "zone", "proj"],
                                   ["my-pod", "zone", "--config", "c.py"],
                                   ["my-pod", "zone", "proj", "extra", "--", "--config", "c.py"]])
@@ -152,6 +192,12 @@ def test_tpu_pod_launcher_usage_error(args):
   proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_tpu_pod.sh"), *args],
                         capture_output=True, text=True)
   assert proc.returncode == 2 and proc.stderr.startswith("usage:"), proc.stderr
+
+
+def test_tpu_pod_launcher_needs_a_workdir_every_worker_shares(tmp_path):
+  proc, calls, _ = _pod(tmp_path, ["my-pod", "zone", "--", "--config", "configs/hawk.py"])
+  assert proc.returncode == 2 and calls == [], proc.stderr
+  assert proc.stderr.startswith("error: no --workdir among the training arguments")
 
 
 # A model whose TPU compile takes seconds.

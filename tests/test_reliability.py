@@ -204,6 +204,29 @@ def test_ctrl_c_saves_the_step_in_progress_exits_130_and_the_rerun_resumes(tmp_p
   assert saved_steps(tmp_path)[0] == step  # kept
 
 
+def test_a_hang_up_saves_the_step_in_progress_and_exits_zero(tmp_path, compile_cache):
+  # What closing the terminal, or tmux kill-session, sends (SIGHUP); tee, reading the run's
+  # output, goes with it: the run's output is a closed pipe from then on.
+  steps = ["--config.total_steps=100000", "--config.log_every=1", "--config.eval_every=0",
+           "--config.checkpoint_every=100000"]
+  proc = subprocess.Popen(train_cmd(tmp_path, *steps), env=env(compile_cache), cwd=ROOT,
+                          text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  seen = []
+  for line in proc.stdout:
+    seen.append(line)
+    if "step 3/" in line:
+      break
+  proc.send_signal(signal.SIGHUP)
+  proc.stdout.close()  # (tee gone)
+  assert proc.wait(timeout=300) == 0, "".join(seen)[-3000:]
+  [step] = saved_steps(tmp_path)  # no periodic checkpoint: only the hung-up step's
+  assert step >= 3
+  assert [r["step"] for r in records(tmp_path) if "loss" in r] == list(range(1, step + 1))
+  again = train(tmp_path, "--config.total_steps=" + str(step + 2), "--config.eval_every=0",
+                cache=compile_cache)
+  assert again.returncode == 0 and f"checkpoints/{step}" in again.stdout, again.stdout[-2000:]
+
+
 def test_a_rerun_after_a_run_that_saved_no_checkpoint_says_it_starts_at_step_0(tmp_path,
                                                                               compile_cache):
   # What a run killed before its first save leaves: its metrics, no checkpoint.
@@ -330,10 +353,11 @@ def _free_port():
     return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_signal_to_one_of_two_processes_saves_the_same_step_on_both(tmp_path, compile_cache,
                                                                       sig):
-  # Ctrl-C joins JAX's preemption sync point as a SIGTERM would; its process then exits 130.
+  # Ctrl-C and a hang-up join JAX's preemption sync point as a SIGTERM would; after a Ctrl-C
+  # its process exits 130.
   address = f"localhost:{_free_port()}"
   procs = []
   for i in range(2):
@@ -345,7 +369,7 @@ def test_a_signal_to_one_of_two_processes_saves_the_same_step_on_both(tmp_path, 
   assert procs[0].wait_for("step 3/")
   procs[1].proc.send_signal(sig)  # only the second process is signalled
   outputs = [p.output() for p in procs]
-  assert [p.proc.returncode for p in procs] == [0, 0 if sig == signal.SIGTERM else 130], (
+  assert [p.proc.returncode for p in procs] == [0, 130 if sig == signal.SIGINT else 0], (
       outputs[0][-2000:] + outputs[1][-2000:])
   assert not any(n in out for n in NOISE for out in outputs), outputs[1][-2000:]
   [step] = saved_steps(tmp_path)
