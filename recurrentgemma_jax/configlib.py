@@ -226,6 +226,8 @@ def validate(config: ml_collections.ConfigDict, *, process_count: int = 1,
     errors.append(f"optimizer.grad_accum_steps={opt.grad_accum_steps} does not divide the "
                   f"{local_rows} rows per process of batch_size={config.batch_size}")
   errors += _mesh_errors(config.mesh, device_count)
+  if not errors:  # (the batch over a valid mesh, once the batch fields are valid)
+    errors += _data_axis_errors(config, device_count)
   errors += data.validate(config, process_count=process_count)
   if not errors:  # the model needs a valid tokenizer for its vocabulary size
     try:
@@ -290,6 +292,23 @@ def _show(value) -> str:
   return ",".join(value) if isinstance(value, tuple) else str(value)
 
 
+def _data_axis_errors(config: ml_collections.ConfigDict, device_count: int) -> list[str]:
+  """The batch over the data axis of a valid mesh: whole rows per device, and whole rows per
+  device in every micro-batch (else each device computes the whole micro-batch)."""
+  if not isinstance(config.batch_size, int) or config.batch_size <= 0:
+    return []  # (said above)
+  mesh = config.mesh
+  data = device_count // max(mesh.model, 1) if mesh.data == -1 else mesh.data
+  if config.batch_size % data:
+    return [f"batch_size={config.batch_size} is not divisible by the {data} devices on the "
+            "data axis"]
+  rows, accum = config.batch_size // data, config.optimizer.grad_accum_steps
+  if isinstance(accum, int) and accum > 0 and rows % accum:
+    return [f"optimizer.grad_accum_steps={accum} does not divide the {rows} rows per data "
+            f"shard (batch_size={config.batch_size} over the {data} devices on the data axis)"]
+  return []
+
+
 def _mesh_errors(mesh, device_count: int) -> list[str]:
   sizes = {"data": mesh.data, "model": mesh.model}
   for name, size in sizes.items():
@@ -299,8 +318,8 @@ def _mesh_errors(mesh, device_count: int) -> list[str]:
     return ["mesh.data and mesh.model cannot both be -1"]
   fixed = max(mesh.data, 1) * max(mesh.model, 1)
   if device_count % fixed:
-    return [f"mesh.data={mesh.data} x mesh.model={mesh.model} does not divide the "
-            f"{device_count} devices"]
+    return [f"the {device_count} devices do not split into mesh.data={mesh.data} x "
+            f"mesh.model={mesh.model}"]
   if not isinstance(mesh.slices, int) or mesh.slices <= 0:
     return [f"mesh.slices={mesh.slices!r} must be a positive integer"]
   data = device_count // max(mesh.model, 1) if mesh.data == -1 else mesh.data

@@ -469,9 +469,6 @@ def setup(config: ml_collections.ConfigDict, devices=None) -> Setup:
                                   slices=config.mesh.slices)
   except ValueError as e:
     raise ConfigError(str(e)) from None
-  if config.batch_size % mesh.shape[partitioning.DATA]:
-    raise ConfigError(f"batch_size={config.batch_size} is not divisible by the "
-                      f"{mesh.shape[partitioning.DATA]} devices on the data axis")
   with jax.set_mesh(mesh):  # kernels ("auto" settings) for the mesh's platform, not the host's
     # The parameter layout is fixed here (initialisation, restoring and the checkpoints
     # written all follow this config).

@@ -154,11 +154,11 @@ def main(argv: list[str]) -> None:
   with cli.user_errors():
     from recurrentgemma_jax import aot  # pylint: disable=g-import-not-at-top
     tpu = aot.parse_slice(args.topology, args.num_slices)
-    if args.num_slices > 1:
-      if config.mesh.slices not in (1, args.num_slices):
-        raise ConfigError(f"mesh.slices={config.mesh.slices} but --num_slices="
-                          f"{args.num_slices}")
-      config.mesh.slices = args.num_slices
+    if config.mesh.slices not in (1, args.num_slices):  # (a TPU slice is one mesh slice)
+      raise ConfigError(f"mesh.slices={config.mesh.slices} but --num_slices={args.num_slices}"
+                        f": compile for the run's slices with --num_slices="
+                        f"{config.mesh.slices}")
+    config.mesh.slices = args.num_slices
     config = aot.offline_config(config)
     try:
       devices = tpu.devices()

@@ -96,6 +96,10 @@ def test_a_config_that_does_not_fit_exits_1_with_one_line(tmp_path):
     ["--topology", "v7x-8"],                          # not a Cloud TPU name we know
     ["--topology", "v5e-3"],                          # no such v5e slice
     ["--topology", "v5p-8", "--config.mesh.data=3"],  # 3 does not divide the 4 chips
+    ["--topology", "v5e-4", "--config.batch_size=6"],  # 6 rows over 4 data shards
+    # 1 row per data shard in 2 micro-batches: each chip would compute both whole
+    ["--topology", "v5e-8", "--config.batch_size=8", "--config.optimizer.grad_accum_steps=2"],
+    ["--topology", "v5e-16", "--config.mesh.slices=2"],  # one slice (no --num_slices 2)
     ["--topology", "v5e-4", "--config.model.nope=1"],  # no such config field
     ["--config.seq_len=128"],                         # no --topology
     ["--topology", "v4-8", "--config.model.family=gla"],  # chunk_gla does not lower for v4
