@@ -16,10 +16,13 @@
 # sharding/distributed.py). Every process runs the same command; the data pipeline gives each
 # its share of the global batch. SIGTERM or SIGINT to this script is passed to every process as
 # SIGTERM (each saves its step and exits 0) and the script waits for them, so a preempted job
-# (a container whose first process is this script) saves. Rerunning the same line resumes from
-# the last checkpoint.
+# (a container whose first process is this script) saves. When a process fails (exits non-zero),
+# the others on this node get SIGTERM too (they save; the job cannot go on without it) and the
+# script exits with the failed one's status. Rerunning the same line resumes from the last
+# checkpoint. Paths (--workdir, --config) are the caller's: relative ones start where the
+# script is run from (the repository root in the lines above).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+root="$(cd "$(dirname "$0")/.." && pwd)"
 
 positive() { [[ $1 =~ ^[0-9]+$ ]] && (( 10#$1 > 0 )); }
 if [[ -n ${GPUS_PER_NODE:-} ]]; then
@@ -28,6 +31,7 @@ if [[ -n ${GPUS_PER_NODE:-} ]]; then
     echo "error: GPUS_PER_NODE=$gpus_per_node must be a positive integer" >&2
     exit 2
   fi
+  gpus_per_node=$((10#$gpus_per_node))  # (08 is not octal)
 else
   # (only "GPU n: ..." lines: a failing nvidia-smi prints its reason on stdout)
   gpus_per_node=$(nvidia-smi --list-gpus 2>/dev/null | grep -c '^GPU ') || gpus_per_node=0
@@ -42,10 +46,12 @@ if ! positive "$nnodes"; then
   echo "error: NNODES=$nnodes must be a positive integer" >&2
   exit 2
 fi
+nnodes=$((10#$nnodes))
 if ! [[ $node_rank =~ ^[0-9]+$ ]] || (( 10#$node_rank >= nnodes )); then
   echo "error: NODE_RANK=$node_rank must be 0 to $((nnodes - 1)) (NNODES=$nnodes)" >&2
   exit 2
 fi
+node_rank=$((10#$node_rank))
 port=${COORDINATOR_PORT:-12345}
 if [[ -z "${COORDINATOR:-}" ]]; then
   if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
@@ -61,26 +67,39 @@ fi
 
 pids=()
 # Background processes of a script ignore SIGINT, so both signals go on as SIGTERM, which
-# train.py answers by saving. A signal interrupts `wait`; `signalled` tells that from an exit.
-signalled=0
-forward() { signalled=1; kill -TERM "${pids[@]}" 2>/dev/null || true; }
+# train.py answers by saving.
+stopping=0
+forward() { stopping=1; kill -TERM "${pids[@]}" 2>/dev/null || true; }
 trap forward TERM INT
 for ((local_rank = 0; local_rank < gpus_per_node; local_rank++)); do
   CUDA_VISIBLE_DEVICES=$local_rank \
   JAX_COORDINATOR_ADDRESS=$COORDINATOR \
   JAX_NUM_PROCESSES=$((nnodes * gpus_per_node)) \
   JAX_PROCESS_ID=$((node_rank * gpus_per_node + local_rank)) \
-    python3 scripts/train.py "$@" &
+    python3 "$root/scripts/train.py" "$@" &
   pids+=($!)
 done
+# Every second, the processes that ended (bash has reaped them: `kill -0` fails, `wait` gives
+# the status at once); the first failure stops the rest.
 status=0
-for pid in "${pids[@]}"; do
-  while true; do
-    signalled=0
+running=("${!pids[@]}")  # local ranks
+while (( ${#running[@]} )); do
+  still=()
+  for local_rank in "${running[@]}"; do
+    pid=${pids[$local_rank]}
+    if kill -0 "$pid" 2>/dev/null; then still+=("$local_rank"); continue; fi
     code=0
     wait "$pid" || code=$?
-    [[ $signalled == 1 ]] || break  # else wait was interrupted: the process is still running
+    if (( code != 0 && status == 0 )); then
+      status=$code
+      if (( ! stopping )); then
+        echo "error: process $((node_rank * gpus_per_node + local_rank)) (GPU $local_rank)" \
+             "exited $code; stopping the others on this node (SIGTERM: they save)" >&2
+        forward
+      fi
+    fi
   done
-  if [[ $code != 0 ]]; then status=$code; fi
+  running=(${still[@]+"${still[@]}"})
+  if (( ${#running[@]} )); then sleep 1; fi
 done
 exit $status

@@ -244,10 +244,12 @@ def test_tpu_pod_launcher_refuses_a_run_that_does_not_fit(tmp_path):
 
 # train.py on a GPU node: records its start and a SIGTERM, after which it exits 0 (as train.py
 # does once it has saved).
+# With FAILS set, process FAILS exits 3 at once (a run that crashed).
 _TRAINER = r"""#!/usr/bin/env bash
 trap 'echo "$JAX_PROCESS_ID saved" >> "$TRAIN_LOG"; kill $!; exit 0' TERM
 echo "$JAX_PROCESS_ID $CUDA_VISIBLE_DEVICES $JAX_NUM_PROCESSES $JAX_COORDINATOR_ADDRESS $*" \
-    >> "$TRAIN_LOG"
+    "in $PWD" >> "$TRAIN_LOG"
+if [[ ${FAILS:-} == "$JAX_PROCESS_ID" ]]; then sleep 1; exit 3; fi
 sleep 60 & wait $!
 echo "$JAX_PROCESS_ID was never stopped" >> "$TRAIN_LOG"
 """
@@ -262,7 +264,8 @@ def _gpus(tmp_path, *args, **env):
   full_env.update(PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}",
                   TRAIN_LOG=str(tmp_path / "train.log"), **env)
   return subprocess.Popen(["bash", os.path.join(ROOT, "scripts", "launch_gpus.sh"), *args],
-                          env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          cwd=tmp_path)  # (relative paths are the caller's)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -273,13 +276,25 @@ def test_gpu_launcher_passes_a_signal_on_and_waits_for_every_process(tmp_path, s
     if log.exists() and len(log.read_text().splitlines()) == 3:
       break
     time.sleep(0.1)
+  train_py = os.path.join(ROOT, "scripts", "train.py")
   assert sorted(log.read_text().splitlines()) == [
-      f"{i} {i} 3 localhost:23456 scripts/train.py --workdir runs/x" for i in range(3)]
+      f"{i} {i} 3 localhost:23456 {train_py} --workdir runs/x in {tmp_path}" for i in range(3)]
   proc.send_signal(sig)
   _, err = proc.communicate(timeout=30)
   assert proc.returncode == 0, err
   # Every process got the signal and had saved before the launcher exited.
   assert sorted(log.read_text().splitlines()[3:]) == [f"{i} saved" for i in range(3)]
+
+
+def test_gpu_launcher_stops_the_others_when_one_process_fails(tmp_path):
+  # GPUS_PER_NODE=08: a leading zero is decimal (bash read it as octal and started nothing).
+  proc = _gpus(tmp_path, "--workdir", "runs/x", GPUS_PER_NODE="08", FAILS="1")
+  _, err = proc.communicate(timeout=30)
+  assert proc.returncode == 3, err
+  assert err == ("error: process 1 (GPU 1) exited 3; stopping the others on this node "
+                 "(SIGTERM: they save)\n")
+  lines = (tmp_path / "train.log").read_text().splitlines()
+  assert len(lines) == 8 + 7 and sorted(lines[8:]) == [f"{i} saved" for i in (0, *range(2, 8))]
 
 
 @pytest.mark.parametrize("env,error", [
