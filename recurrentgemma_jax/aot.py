@@ -370,6 +370,7 @@ class StepReport:
   peak_flops: float | None = None
   hbm_bandwidth: float | None = None
   compile_s: float = 0.0   # wall time of the compiles (side by side)
+  unsplit_note: str | None = None  # train.Setup's: what tensor parallelism leaves whole
 
   @property
   def programs(self) -> list[Program]:
@@ -463,7 +464,7 @@ def compile_step(config: ml_collections.ConfigDict, devices, *, with_eval: bool 
       hbm_per_chip_bytes=hbm_bytes or device_memory(device),
       train=Program(None, Memory(), 0.0),
       peak_flops=flops.device_peak_flops(device),
-      hbm_bandwidth=chip.hbm_bandwidth if chip else None)
+      hbm_bandwidth=chip.hbm_bandwidth if chip else None, unsplit_note=plan.unsplit_note)
   batch = abstract_batch(config, plan.batch_sharding)
   lowered = [plan.jit_train_step(accum).lower(plan.abstract_state, batch)]
   if with_eval:

@@ -425,6 +425,7 @@ class Setup:
   schedule: Any
   state_shardings: dict
   abstract_state: dict  # ShapeDtypeStructs carrying their shardings
+  unsplit_note: str | None = None  # the dimensions tensor parallelism leaves whole, if any
 
   @property
   def batch_sharding(self):
@@ -487,7 +488,7 @@ def setup(config: ml_collections.ConfigDict, devices=None) -> Setup:
       {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params_abstract,
        "opt_state": opt_abstract}, state_sh)
   return Setup(model_cfg, mesh, graphdef, params_abstract, tx, schedule, state_sh,
-               abstract_state)
+               abstract_state, partitioning.unsplit_note(model_abstract, mesh))
 
 
 def _flat(config, prefix: str = "") -> dict[str, Any]:
@@ -798,6 +799,8 @@ def _loop(config, plan: Setup, log, compiled, checkpoints: "Checkpoints", n_para
       f"{len(model_cfg.resolved_block_types)} blocks; mesh data={mesh.shape['data']} "
       f"model={mesh.shape['model']} on {jax.device_count()} {jax.devices()[0].device_kind}; "
       f"step {start} of {config.total_steps}")
+  if plan.unsplit_note:
+    writer.message(plan.unsplit_note)
 
   batch_sh = plan.batch_sharding
   train_step, eval_step = compiled.train.compiled, compiled.eval.compiled

@@ -204,6 +204,8 @@ def main(argv: list[str]) -> None:
           f"remat {report.remat}, grad_accum_steps {report.accum_steps} (micro-batch "
           f"{report.micro_batch_rows} rows per data shard); {report.parameters / 1e6:,.2f}M "
           f"parameters, {report.tokens_per_step:,} tokens per step")
+    if report.unsplit_note:
+      print(report.unsplit_note)
     _print_report(tpu, report)
   _write_json(args.json, tpu, report, search)
   if args.hlo and report.train.compiled is not None:

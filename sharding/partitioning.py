@@ -145,6 +145,42 @@ def _shardings(model_abstract, mesh: Mesh, over_data: bool):
                       is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+# The config field that sets each logical axis's size (for the note below).
+AXIS_FIELDS = {"vocab": "model.vocab_size", "mlp": "model.mlp_expanded_width",
+               "heads": "the attention columns (heads x head size)", "lru": "model.lru_width",
+               "blocks": "model.num_gate_blocks"}
+
+
+def unsplit_axes(model_abstract, mesh: Mesh) -> dict[str, int]:
+  """``{logical axis: size}`` of the parameters' axes that the rules put on ``model`` but
+  that stay whole because ``model`` does not divide them (every device of the axis holds and
+  computes them): empty on a mesh without tensor parallelism."""
+  if mesh.shape[MODEL] == 1:
+    return {}
+  out = {}
+  for v in jax.tree.leaves(nnx.state(model_abstract, nnx.Param),
+                           is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    axes = v.get_metadata().get("axes") or ()
+    shape = v.value.shape
+    if axes and axes[0] == "layers":
+      axes, shape = axes[1:], shape[1:]
+    for axis, size in zip(axes, shape):
+      if RULES.get(axis) == MODEL and size % mesh.shape[MODEL]:
+        out[axis] = size
+  return out
+
+
+def unsplit_note(model_abstract, mesh: Mesh) -> str | None:
+  """One line naming the fields of :func:`unsplit_axes`, or None."""
+  axes = unsplit_axes(model_abstract, mesh)
+  if not axes:
+    return None
+  named = ", ".join(f"{AXIS_FIELDS.get(a, a)}={n}" for a, n in axes.items())
+  return (f"note: mesh.model={mesh.shape[MODEL]} does not divide {named}: "
+          f"{'that dimension stays' if len(axes) == 1 else 'those dimensions stay'} whole on "
+          f"every device of the model axis (replicated, computed {mesh.shape[MODEL]} times)")
+
+
 def param_shardings(model_abstract, mesh: Mesh, *, zero: int):
   """NamedShardings for the model's parameter State (abstract model from ``nnx.eval_shape``)."""
   return _shardings(model_abstract, mesh, over_data=zero >= 3)

@@ -154,6 +154,20 @@ def test_zero1_cuts_optimizer_state_bytes_per_device_8x():
   assert 7.0 <= sizes[0] / sizes[1] <= 8.0, sizes
 
 
+def test_tensor_parallel_names_the_dimensions_it_cannot_split():
+  # 4 heads (64 query columns), 2 gate blocks, lru 64, mlp 128, the byte vocabulary of 259.
+  notes = {model: train.setup(small_config(**{"mesh.data": 8 // model, "mesh.model": model,
+                                               "model.num_gate_blocks": 2}),
+                              jax.devices()).unsplit_note for model in (1, 2, 8)}
+  assert notes[1] is None  # no tensor parallelism
+  assert notes[2] == ("note: mesh.model=2 does not divide model.vocab_size=259: that dimension "
+                      "stays whole on every device of the model axis (replicated, computed 2 "
+                      "times)")
+  assert notes[8].startswith("note: mesh.model=8 does not divide ")
+  named = notes[8].split(" does not divide ")[1].split(":")[0].split(", ")
+  assert sorted(named) == ["model.num_gate_blocks=2", "model.vocab_size=259"]
+
+
 def test_gradient_accumulation_keeps_each_devices_rows_on_it():
   """Micro-batches are taken within each data shard: the same loss as one step over the
   batch, and no device needs another's rows (micro-batches made of whole data shards were
