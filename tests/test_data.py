@@ -1,7 +1,6 @@
 """The data pipeline: sources, tokenizers, packing, determinism, resumption, sharding, checks."""
 
 import json
-import logging
 import math
 import os
 
@@ -475,7 +474,13 @@ def test_train_script_exits_2_with_one_line_for_a_broken_jsonl_line(tmp_path):
   assert not (tmp_path / "run").exists()  # rejected before compiling or writing anything
 
 
-def test_invalid_utf8_is_read_as_replacement_characters_with_a_counted_warning(tmp_path, caplog):
+def warnings_said(capsys) -> list[str]:
+  """The ``warning:`` lines written to stderr since the last call."""
+  return [line.removeprefix("warning: ") for line in capsys.readouterr().err.splitlines()
+          if line.startswith("warning: ")]
+
+
+def test_invalid_utf8_is_read_as_replacement_characters_with_a_counted_warning(tmp_path, capsys):
   (tmp_path / "latin1.txt").write_bytes("café, crème brûlée".encode("latin-1"))
   (tmp_path / "ok.txt").write_text("plain")
   config = make_config(source="text", paths=str(tmp_path / "*.txt"),
@@ -483,38 +488,36 @@ def test_invalid_utf8_is_read_as_replacement_characters_with_a_counted_warning(t
   assert data.validate(config, process_count=1) == []
   stream = token_stream(take(data.make_train_iterator(config), 6))
   assert "caf\ufffd, cr\ufffdme br\ufffdl\ufffde" in stream_documents(stream, BYTE)
-  [warning] = [r.getMessage() for r in caplog.records if "latin1.txt" in r.getMessage()]
+  [warning] = [w for w in warnings_said(capsys) if "latin1.txt" in w]
   assert warning == (f"data file {str(tmp_path / 'latin1.txt')!r} has 4 invalid UTF-8 sequences;"
                      " they are read as U+FFFD")
 
-  caplog.clear()
   lines = good_lines(4) + [b'{"text": "caf\xe9"}', b'{"text": "lone \\ud800 surrogate"}']
   path = write_jsonl(tmp_path / "bytes.jsonl", lines)
   config = make_config(source="jsonl", paths=path, eval_paths=path, batch_size=2, seq_len=16)
   assert data.validate(config, process_count=1) == []
-  [warning] = [r.getMessage() for r in caplog.records if "UTF-8" in r.getMessage()]
+  [warning] = [w for w in warnings_said(capsys) if "UTF-8" in w]
   assert warning == (f"data file {path!r} has invalid UTF-8 on 1 of its 6 records (first: line 5);"
                      " it is read as U+FFFD")
   documents = stream_documents(token_stream(take(data.make_train_iterator(config), 8)), BYTE)
   assert {"caf\ufffd", "lone \ufffd surrogate"} <= set(documents)
-  assert caplog.records[-1].getMessage() == (
+  assert warnings_said(capsys)[-1] == (
       f"data file {path!r} line 6 has a lone surrogate escape; such escapes are read as U+FFFD")
 
 
-def test_held_out_files_also_in_the_training_paths_get_one_warning(tmp_path, caplog):
+def test_held_out_files_also_in_the_training_paths_get_one_warning(tmp_path, capsys):
   for name in ("a.txt", "b.txt"):
     (tmp_path / name).write_text(f"text of {name}\n")
   os.symlink(tmp_path / "b.txt", tmp_path / "link.txt")
-  with caplog.at_level(logging.WARNING):
-    config = make_config(source="text", paths=str(tmp_path / "a.txt"),
-                         eval_paths=str(tmp_path / "b.txt"))
-    assert data.validate(config, process_count=1) == []
-    assert not [r for r in caplog.records if "eval_paths" in r.getMessage()]
-    config = make_config(source="text", paths=str(tmp_path / "[ab].txt"),
-                         eval_paths=str(tmp_path / "link.txt"))  # b.txt under another name
-    assert data.validate(config, process_count=1) == []  # a warning, not an error
-    data.validate(config, process_count=1)
-  [warning] = [r.getMessage() for r in caplog.records if "eval_paths" in r.getMessage()]
+  config = make_config(source="text", paths=str(tmp_path / "a.txt"),
+                       eval_paths=str(tmp_path / "b.txt"))
+  assert data.validate(config, process_count=1) == []
+  assert not [w for w in warnings_said(capsys) if "eval_paths" in w]
+  config = make_config(source="text", paths=str(tmp_path / "[ab].txt"),
+                       eval_paths=str(tmp_path / "link.txt"))  # b.txt under another name
+  assert data.validate(config, process_count=1) == []  # a warning, not an error
+  data.validate(config, process_count=1)
+  [warning] = [w for w in warnings_said(capsys) if "eval_paths" in w]  # once
   assert "link.txt" in warning and "is also in data.paths" in warning
 
 
@@ -544,7 +547,7 @@ def test_every_parquet_file_needs_the_text_column(tmp_path):
   assert error.startswith(f"data.paths: {str(tmp_path / 'c.parquet')!r} cannot be read as Parquet")
 
 
-def test_parquet_with_invalid_utf8_is_read_with_replacement_characters(tmp_path, caplog):
+def test_parquet_with_invalid_utf8_is_read_with_replacement_characters(tmp_path, capsys):
   offsets = pa.py_buffer(np.array([0, 2, 7], np.int32).tobytes())
   column = pa.Array.from_buffers(pa.string(), 2, [None, offsets, pa.py_buffer(b"ok\xff\xfebad")])
   path = str(tmp_path / "bad.parquet")
@@ -553,7 +556,7 @@ def test_parquet_with_invalid_utf8_is_read_with_replacement_characters(tmp_path,
   assert data.validate(config, process_count=1) == []
   documents = stream_documents(token_stream(take(data.make_train_iterator(config), 4)), BYTE)
   assert {"ok", "\ufffd\ufffdbad"} <= set(documents)
-  assert any("bad.parquet" in r.getMessage() and "U+FFFD" in r.getMessage() for r in caplog.records)
+  assert any("bad.parquet" in w and "U+FFFD" in w for w in warnings_said(capsys))
 
 
 def read_until_error(iterator, batches=500):

@@ -31,9 +31,9 @@ import dataclasses
 import glob
 import hashlib
 import json
-import logging
 import os
 import re
+import sys
 import sysconfig
 from typing import Callable
 
@@ -45,7 +45,6 @@ from recurrentgemma_jax.errors import ConfigError, first_line
 SOURCES = ("builtin", "text", "jsonl", "parquet", "tfds", "synthetic")
 LOCAL_SOURCES = ("text", "jsonl", "parquet")
 
-_log = logging.getLogger(__name__)
 _warned: set[str] = set()  # files (and problems) already reported
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -73,10 +72,11 @@ def expand(patterns: list[str]) -> list[str]:
 
 
 def warn_once(key: str, message: str) -> None:
-  """Logs ``message`` the first time ``key`` is seen in this process."""
+  """``warning: MESSAGE``, one line on stderr, the first time ``key`` is seen in this process
+  (as the ``error:`` lines; a logging record would be absl's ``W1202 ... file.py:79]`` line)."""
   if key not in _warned:
     _warned.add(key)
-    _log.warning(message)
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def _read_bytes(path: str, size: int | None, start: int | None = None) -> bytes:
