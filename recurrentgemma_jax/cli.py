@@ -130,7 +130,8 @@ def split_config_flags(args: list[str]) -> tuple[list[str], list[str]]:
   i = 0
   while i < len(args):
     item = args[i]
-    if item.startswith("--config.") and "=" not in item and i + 1 < len(args):
+    if (item.startswith("--config.") and "=" not in item and i + 1 < len(args)
+        and not args[i + 1].startswith("--")):  # (a bare boolean field: --config.a.flag)
       item, i = f"{item}={args[i + 1]}", i + 1
     (overrides if item.startswith("--config.") else unknown).append(item)
     i += 1
@@ -198,9 +199,12 @@ def parse_config_flags(argv: list[str], *, default_config: str, define=None, usa
   from recurrentgemma_jax import configlib  # pylint: disable=g-import-not-at-top
 
   spec, rest = _config_spec(list(argv[1:]), default_config)
-  overrides, _ = split_config_flags(rest)  # (the others are absl's to parse)
+  overrides, others = split_config_flags(rest)  # (the others are absl's to parse)
   config = configlib.load(spec)
   configlib.override(config, overrides)  # our one-line errors first
+  # absl gets each override as configlib parsed it: its boolean flags take neither
+  # yes/no/on/off nor a separate value (--config.data.shuffle false).
+  rest = [configlib.canonical(config, item) for item in overrides] + others
 
   values = flags.FlagValues()
   if any(arg in HELP_FLAGS for arg in rest):

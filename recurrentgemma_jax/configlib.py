@@ -121,11 +121,31 @@ def override(config: ml_collections.ConfigDict, assignments: list[str]) -> None:
   """Applies ``--config.FIELD=VALUE`` (or ``FIELD=VALUE``) in order; unknown fields are errors."""
   for item in assignments:
     key, sep, raw = item.removeprefix("--").removeprefix("config.").partition("=")
+    if not sep and isinstance(_lookup(config, key), bool):
+      sep, raw = "=", "true"  # --config.a.flag, as absl's boolean flags
     if not sep:
       raise ConfigError(f"override {item!r} is not of the form --config.FIELD=VALUE")
     parent, name = _resolve(config, key)
     old = parent[name]
     parent[name] = _parse(key, raw, old)
+
+
+def _lookup(config, key: str):
+  """The value of field ``key``, or None where there is no such field."""
+  try:
+    parent, name = _resolve(config, key)
+  except ConfigError:
+    return None
+  return parent[name]
+
+
+def canonical(config: ml_collections.ConfigDict, item: str) -> str:
+  """An override ``item`` (already applied to ``config``) as ``--config.FIELD=VALUE`` with the
+  value ``config`` holds, in the form ``ml_collections.config_flags`` parses the same way."""
+  key = item.removeprefix("--").removeprefix("config.").partition("=")[0]
+  value = _lookup(config, key)
+  raw = str(value).lower() if isinstance(value, bool) else item.partition("=")[2]
+  return f"--config.{key}={raw}"
 
 
 def _resolve(config, key: str):

@@ -228,6 +228,15 @@ def make_eval_step(graphdef):
   return step
 
 
+def say(*args, **kwargs) -> None:
+  """``print``, except that a reader gone (``| head``, a ``tee`` or ``less`` that ended:
+  EPIPE) points the lost outputs at /dev/null and the run goes on, as after a hang-up."""
+  try:
+    print(*args, **kwargs)
+  except BrokenPipeError:
+    silence_lost_outputs()
+
+
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
   """The records of ``workdir/metrics.jsonl`` (none if it is missing); a line cut short by a
   kill is skipped."""
@@ -267,7 +276,9 @@ class MetricsWriter:
     if self.primary:
       try:
         from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-        self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        # Steps past resume_step that an earlier run logged are dropped from TensorBoard too.
+        self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
+                                purge_step=resume_step + 1 if self.dropped else None)
       except ImportError:
         pass
 
@@ -286,13 +297,13 @@ class MetricsWriter:
       self.tb.flush()
     if progress:
       if self.tty:
-        print("\r\033[K" + progress, end="", flush=True)
+        say("\r\033[K" + progress, end="", flush=True)
       else:
-        print(progress, flush=True)
+        say(progress, flush=True)
 
   def message(self, text: str) -> None:
     if self.primary:
-      print(("\n" if self.tty else "") + text, flush=True)
+      say(("\n" if self.tty else "") + text, flush=True)
 
   def close(self) -> None:
     """Flushes and closes TensorBoard's writer. Left to its exit hook, a writer that never
@@ -547,6 +558,12 @@ def check_resume(config: ml_collections.ConfigDict, plan: Setup, workdir: str
           f"--workdir {workdir} holds a run of another model: model.{name} is {theirs!r} in "
           f"its checkpoint step {step} and {ours!r} in this run; nothing was changed. Rerun "
           f"with its settings to resume, or {fresh}")
+    theirs, ours = meta.get("tokenizer"), config.data.tokenizer
+    if theirs and (theirs == "byte") != (ours == "byte"):  # as init_from: ids of another vocabulary
+      raise ConfigError(
+          f"--workdir {workdir} holds a run trained with the tokenizer {theirs!r} (checkpoint "
+          f"step {step}) but this run has data.tokenizer={ours!r}; nothing was changed. Rerun "
+          f"with --config.data.tokenizer={theirs}, or {fresh}")
     if saved is None:
       return step, []
     difference = _optimizer_difference(saved, config, plan.params_abstract)
@@ -594,7 +611,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   configlib.validate(config, process_count=jax.process_count(), device_count=jax.device_count())
   aot.check_devices(config, jax.devices())
   plan = setup(config)
-  log = print if jax.process_index() == 0 else (lambda *_: None)
+  log = say if jax.process_index() == 0 else (lambda *_: None)
   workdir = workdir_lib.prepare(workdir) if jax.process_index() == 0 else os.path.abspath(
       workdir)
   stop = _Stop()  # from here on, SIGTERM stops the run cleanly
@@ -779,9 +796,19 @@ def _loop(config, plan: Setup, log, compiled, checkpoints: "Checkpoints", n_para
     log(f"resuming from {checkpoints.directory}/{start}")
     data_state = own_data_state(data_state, shard, log)
     if data_state is not None:
-      train_iter.set_state(data_state)
+      try:
+        train_iter.set_state(data_state)
+      except (KeyError, TypeError, ValueError) as e:  # another data.source's pipeline
+        log(f"warning: the checkpoint's data position does not fit this run's data pipeline "
+            f"({type(e).__name__}: {first_line(e, 100)}; data.source changed?); the training "
+            "data starts again from the beginning of its order")
+        train_iter = data.make_train_iterator(config, process_index=shard_index,
+                                              process_count=shard_count)
   else:
-    log(f"initialising {n_params / 1e6:.2f}M parameters and the optimizer state (compiling)")
+    log((f"reading {n_params / 1e6:.2f}M parameters from init_from={config.init_from} and "
+         "initialising the optimizer state" if config.init_from else
+         f"initialising {n_params / 1e6:.2f}M parameters and the optimizer state") +
+        " (compiling)")
     started = time.perf_counter()
     state = jax.block_until_ready(plan.initial_state(config))
     log(f"initialised in {time.perf_counter() - started:.1f} s")
@@ -905,7 +932,9 @@ def _loop(config, plan: Setup, log, compiled, checkpoints: "Checkpoints", n_para
         last_good = step
       if eval_due(step) and not stopping:
         phase = "evaluation"
+        eval_started = time.perf_counter()
         eval_record = evaluate(step)
+        interval_start += time.perf_counter() - eval_started  # (between two logged steps)
       if interval_steps == 0:  # keep evaluation and saving out of the step timing
         interval_start = time.perf_counter()
       if stopping:

@@ -27,6 +27,7 @@ Exit status: 0 it compiles and fits; 1 it does not fit (one line: needed vs avai
 import json
 import os
 import sys
+import time
 import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -175,9 +176,11 @@ def main(argv: list[str]) -> None:
   with cli.user_errors():
     search = None
     if args.search:
+      started = time.perf_counter()
       try:
         search = aot.search(config, devices, hbm_bytes=hbm,
                             log=lambda line: print(line, flush=True))
+        search_s = time.perf_counter() - started
       except aot.CompileError as e:
         _fail(3, f"the step did not compile for {tpu.name}: {e}")
       if search.report is None:
@@ -194,9 +197,9 @@ def main(argv: list[str]) -> None:
       report = aot.compile_step(config, devices, hbm_bytes=hbm)
 
   if search is not None:
-    print(f"search: {search.compiles} compiles of the training step; the cheapest remat that "
-          f"fits and its largest micro-batch ({report.micro_batch_rows} rows x "
-          f"{config.seq_len} per data shard):")
+    print(f"search: {search.compiles} compiles of the training step in {search_s:.1f} s; the "
+          f"cheapest remat that fits and its largest micro-batch ({report.micro_batch_rows} "
+          f"rows x {config.seq_len} per data shard):")
     print(f"  --config.model.remat={search.remat} "
           f"--config.optimizer.grad_accum_steps={search.accum_steps}")
   if report.train.compiled is not None:

@@ -332,6 +332,22 @@ def test_tfds_source_end_to_end(tfds_dir):
   [error] = data.validate(config, process_count=1)
   assert "data.tfds_eval_split='test'" in error
 
+def test_tfds_slices_of_one_split_hold_out_text(tfds_dir, capsys):
+  # A dataset with no validation split: a slice of the training split held out, as tfds reads
+  # them ("train[:25%]"); the same split for both is allowed, with a warning.
+  config = make_config(source="tfds", tfds_name="data_test_tiny_text", tfds_data_dir=tfds_dir,
+                       tfds_train_split="train[25%:]", tfds_eval_split="train[:25%]")
+  config.update(batch_size=2, seq_len=16)
+  assert data.validate(config, process_count=1) == []
+  trained = set(stream_documents(token_stream(take(data.make_train_iterator(config), 40)), BYTE))
+  held_out = set(stream_documents(token_stream(data.make_eval_batches(config)), BYTE))
+  assert held_out and trained and not held_out & trained and held_out | trained <= set(DOCS)
+  assert not warnings_said(capsys)
+  config.data.tfds_train_split = config.data.tfds_eval_split = "train"
+  assert data.validate(config, process_count=1) == []
+  [warning] = warnings_said(capsys)
+  assert "data.tfds_eval_split='train' is also data.tfds_train_split" in warning
+
 
 # --- synthetic tasks ----------------------------------------------------------------------------
 

@@ -159,6 +159,24 @@ def test_help_lists_the_flags_and_every_config_field_with_its_value(script, flag
   assert not os.path.exists(tmp_path / "run")  # nothing ran
 
 
+def test_boolean_fields_take_every_documented_spelling():
+  """configlib's yes/no/on/off, ``--field value`` and a bare ``--field`` (true): absl's own
+  boolean flags, which parse the overrides again, refused the first two forms."""
+  from recurrentgemma_jax import cli  # pylint: disable=g-import-not-at-top
+  default = os.path.join(ROOT, "configs", "default.py")
+  for args, shuffle, scaled in (
+      (["--config.data.shuffle=no"], False, False),
+      (["--config.data.shuffle=on"], True, False),
+      (["--config.data.shuffle", "false", "--config.model.embeddings_scale_by_sqrt_dim"],
+       False, True),
+      (["--config.model.embeddings_scale_by_sqrt_dim", "--config.data.shuffle", "0"],
+       False, True)):
+    config, _ = cli.parse_config_flags(["train.py", *args, "--config.total_steps", "3"],
+                                       default_config=default)
+    assert (config.data.shuffle, config.model.embeddings_scale_by_sqrt_dim,
+            config.total_steps) == (shuffle, scaled, 3), args
+
+
 def test_a_renamed_field_names_its_replacement(tmp_path, capsys):
   with pytest.raises(SystemExit):
     load_script("train").main(["train.py", f"--workdir={tmp_path}", "--config.data.eval_batches=2"])

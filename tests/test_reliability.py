@@ -6,6 +6,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -227,6 +228,54 @@ def test_a_hang_up_saves_the_step_in_progress_and_exits_zero(tmp_path, compile_c
   assert again.returncode == 0 and f"checkpoints/{step}" in again.stdout, again.stdout[-2000:]
 
 
+def _tensorboard_events(workdir):
+  """Every event of ``workdir/tensorboard``'s files (TFRecord framing: length, its CRC, the
+  record, its CRC), oldest file first."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  events = []
+  for name in sorted(os.listdir(os.path.join(workdir, "tensorboard"))):
+    with open(os.path.join(workdir, "tensorboard", name), "rb") as f:
+      blob = f.read()
+    at = 0
+    while at < len(blob):
+      length = int.from_bytes(blob[at:at + 8], "little")
+      events.append(event_pb2.Event.FromString(blob[at + 12:at + 12 + length]))
+      at += 12 + length + 4
+  return events
+
+
+def test_a_gone_reader_a_rewound_resume_and_another_data_source(tmp_path, compile_cache):
+  # 1. The program reading the run's output ends (| head, a tee or less that quit): the run
+  # trains on (its progress lines went to a broken pipe: BrokenPipeError, exit 1).
+  steps = ["--config.log_every=1", "--config.eval_every=0", "--config.checkpoint_every=10"]
+  proc = subprocess.Popen(train_cmd(tmp_path, "--config.total_steps=30", *steps),
+                          env=env(compile_cache), cwd=ROOT, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  for line in proc.stdout:
+    if "step 3/" in line:
+      break
+  proc.stdout.close()
+  assert proc.wait(timeout=300) == 0
+  assert saved_steps(tmp_path) == [10, 20, 30]
+  assert [r["step"] for r in records(tmp_path) if "loss" in r] == list(range(1, 31))
+  # 2. A resume before steps already logged (their checkpoint lost): metrics.jsonl drops them,
+  # and TensorBoard is told to (a SessionLog START at the first step logged again).
+  shutil.rmtree(tmp_path / "checkpoints" / "30")
+  again = train(tmp_path, "--config.total_steps=30", *steps, cache=compile_cache)
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert [r["step"] for r in records(tmp_path) if "loss" in r] == list(range(1, 31))
+  starts = [e.step for e in _tensorboard_events(tmp_path)
+            if e.HasField("session_log") and e.session_log.status == e.session_log.START]
+  assert starts == [21], starts
+  # 3. Another data source with the same shapes: the data position cannot be restored, said.
+  other = train(tmp_path, "--config.total_steps=32", *steps, "--config.data.source=synthetic",
+                "--config.data.synthetic.task=induction_heads", "--config.model.vocab_size=259",
+                cache=compile_cache)
+  assert other.returncode == 0, other.stderr[-2000:]
+  assert "warning: the checkpoint's data position does not fit this run's data" in other.stdout
+  assert saved_steps(tmp_path)[-1] == 32
+
+
 def test_a_rerun_after_a_run_that_saved_no_checkpoint_says_it_starts_at_step_0(tmp_path,
                                                                               compile_cache):
   # What a run killed before its first save leaves: its metrics, no checkpoint.
@@ -272,6 +321,14 @@ def test_resuming_with_another_model_or_optimizer_is_refused_and_nothing_changes
   [line] = proc.stderr.strip().splitlines()
   assert "another optimizer state: optimizer.grad_clip_norm is 1.0" in line, line
   assert f"--config.init_from={tmp_path / 'checkpoints' / '4'}" in line
+  # Another kind of tokenizer: the same shapes, the ids of another vocabulary.
+  sentencepiece = os.path.join(ROOT, "tests", "data", "hf", "griffin", "tokenizer.model")
+  proc = train(tmp_path, *steps, f"--config.data.tokenizer={sentencepiece}",
+               "--config.model.vocab_size=259")
+  assert proc.returncode == 2
+  [line] = proc.stderr.strip().splitlines()
+  assert "holds a run trained with the tokenizer 'byte'" in line, line
+  assert "Rerun with --config.data.tokenizer=byte" in line
   assert sorted(os.listdir(tmp_path / "checkpoints")) == before  # nothing renamed
   assert (tmp_path / "metrics.jsonl").read_text() == metrics  # nothing written
 

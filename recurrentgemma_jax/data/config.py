@@ -21,8 +21,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.text_field = "text"  # The JSONL key, Parquet column or TFDS feature holding the text.
   c.tfds_name = ""  # tfds: dataset name, e.g. "c4/en:3.1.0".
   c.tfds_data_dir = ""  # tfds: folder or bucket of the prepared dataset; empty: TFDS's default.
-  c.tfds_train_split = "train"  # tfds: training split.
-  c.tfds_eval_split = "validation"  # tfds: held-out split.
+  c.tfds_train_split = "train"  # tfds: training split, or a slice of one ("train[1%:]").
+  c.tfds_eval_split = "validation"  # tfds: held-out split (or "train[:1%]" where none).
   # "byte" (ids: 0 pad, 1 bos, 2 eos, byte b is b + 3; vocab 259) or a SentencePiece .model path.
   c.tokenizer = "byte"
   # Shuffle documents: training, a new order each epoch seeded by config.seed; held out, one
@@ -143,11 +143,18 @@ def _check_tfds(data) -> list[str]:
     ]
   errors = []
   for field in ("tfds_train_split", "tfds_eval_split"):
-    if data[field] not in info.splits:
+    try:  # a split or a slice of one, as tfds.data_source reads them: "train[:1%]"
+      info.splits[data[field]]
+    except Exception:  # pylint: disable=broad-except  (ValueError, KeyError, AssertionError)
       errors.append(
           f"data.{field}={data[field]!r} is not a prepared split of {data.tfds_name}:"
           f" {sorted(info.splits)}"
       )
+  if data.tfds_train_split == data.tfds_eval_split:
+    sources.warn_once(f"tfds eval split {data.tfds_eval_split}", f"data.tfds_eval_split="
+                      f"{data.tfds_eval_split!r} is also data.tfds_train_split: the held-out loss"
+                      " is measured on training text (hold out a slice: 'train[:1%]' and "
+                      "'train[1%:]')")
   if data.text_field not in info.features:
     errors.append(
         f"data.text_field={data.text_field!r} is not a feature of {data.tfds_name}:"
