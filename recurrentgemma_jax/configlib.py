@@ -246,9 +246,9 @@ def validate(config: ml_collections.ConfigDict, *, process_count: int = 1,
     errors.append(f"optimizer.grad_accum_steps={opt.grad_accum_steps} does not divide the "
                   f"{local_rows} rows per process of batch_size={config.batch_size}")
   errors += _mesh_errors(config.mesh, device_count)
-  if not errors:  # (the batch over a valid mesh, once the batch fields are valid)
-    errors += _data_axis_errors(config, device_count)
   errors += data.validate(config, process_count=process_count)
+  if not errors:  # (the batch over a valid mesh, once the batch and data fields are valid)
+    errors += _data_axis_errors(config, device_count)
   if not errors:  # the model needs a valid tokenizer for its vocabulary size
     try:
       vocab = data.make_tokenizer(config).vocab_size
