@@ -285,7 +285,7 @@ def _init_from_errors(path: str, cfg: model_lib.ModelConfig, tokenizer: str = "b
   except CheckpointError as e:
     return [f"init_from: {e}"]
   theirs = meta.get("tokenizer")
-  if theirs and (theirs == "byte") != (tokenizer == "byte"):  # ids of another vocabulary
+  if other_tokenizer_kind(theirs, tokenizer):
     return [f"init_from={path!r} was trained with the tokenizer {theirs!r} but this run has "
             f"data.tokenizer={tokenizer!r}; set --config.data.tokenizer={theirs}"]
   difference = checkpoint.shape_difference(saved, cfg)
@@ -312,13 +312,22 @@ def _show(value) -> str:
   return ",".join(value) if isinstance(value, tuple) else str(value)
 
 
+def other_tokenizer_kind(recorded: str | None, tokenizer: str) -> bool:
+  """Whether a checkpoint's recorded tokenizer and this run's ``data.tokenizer`` are of other
+  kinds (byte-level against SentencePiece): the same shapes, the ids of another vocabulary."""
+  return bool(recorded) and (recorded == "byte") != (tokenizer == "byte")
+
+
+def _data_axis_size(mesh, device_count: int) -> int:
+  return device_count // max(mesh.model, 1) if mesh.data == -1 else mesh.data
+
+
 def _data_axis_errors(config: ml_collections.ConfigDict, device_count: int) -> list[str]:
   """The batch over the data axis of a valid mesh: whole rows per device, and whole rows per
   device in every micro-batch (else each device computes the whole micro-batch)."""
   if not isinstance(config.batch_size, int) or config.batch_size <= 0:
     return []  # (said above)
-  mesh = config.mesh
-  data = device_count // max(mesh.model, 1) if mesh.data == -1 else mesh.data
+  data = _data_axis_size(config.mesh, device_count)
   if config.batch_size % data:
     return [f"batch_size={config.batch_size} is not divisible by the {data} devices on the "
             "data axis"]
@@ -342,7 +351,7 @@ def _mesh_errors(mesh, device_count: int) -> list[str]:
             f"mesh.model={mesh.model}"]
   if not isinstance(mesh.slices, int) or mesh.slices <= 0:
     return [f"mesh.slices={mesh.slices!r} must be a positive integer"]
-  data = device_count // max(mesh.model, 1) if mesh.data == -1 else mesh.data
+  data = _data_axis_size(mesh, device_count)
   if data % mesh.slices:
     return [f"mesh.slices={mesh.slices} does not divide the data axis of {data} devices"]
   if -1 not in (mesh.data, mesh.model) and fixed != device_count:

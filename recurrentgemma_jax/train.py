@@ -559,7 +559,7 @@ def check_resume(config: ml_collections.ConfigDict, plan: Setup, workdir: str
           f"its checkpoint step {step} and {ours!r} in this run; nothing was changed. Rerun "
           f"with its settings to resume, or {fresh}")
     theirs, ours = meta.get("tokenizer"), config.data.tokenizer
-    if theirs and (theirs == "byte") != (ours == "byte"):  # as init_from: ids of another vocabulary
+    if configlib.other_tokenizer_kind(theirs, ours):  # (as init_from)
       raise ConfigError(
           f"--workdir {workdir} holds a run trained with the tokenizer {theirs!r} (checkpoint "
           f"step {step}) but this run has data.tokenizer={ours!r}; nothing was changed. Rerun "

@@ -14,10 +14,10 @@ and re-evaluates. ``--parallel`` runs that many trainings at once (the models ar
 they share it); ``--time_limit`` stops the trainings still running after that many seconds
 (SIGTERM: each saves its step and exits; rerun to continue); a training stopped by Ctrl-C has
 saved its step too, and the script then exits 130. Then each latest checkpoint is evaluated on
-``--eval_rows`` held-out rows per length (a run with none yet reads "-"). Writes (rewritten after each evaluated
-run) ``DIR/synthetic.md`` (the table), ``DIR/synthetic.json``, ``DIR/learning.png`` (held-out
-answer accuracy against training step, Fig. 6(a)) and ``DIR/lengths.png`` (accuracy against
-evaluation length, Fig. 6(b)). ``--every_checkpoint`` also evaluates each kept checkpoint at
+``--eval_rows`` held-out rows per length (a run with none yet reads "-"). Writes (rewritten
+after each evaluated run) ``DIR/synthetic.md`` (the table), ``DIR/synthetic.json``,
+``DIR/learning.png`` (held-out answer accuracy against training step, Fig. 6(a)) and
+``DIR/lengths.png`` (accuracy against evaluation length, Fig. 6(b)). ``--every_checkpoint`` also evaluates each kept checkpoint at
 every length (how accuracy beyond the training length moves during training). For Induction
 Heads the table also breaks the accuracy at the training length down by the distance between
 the two markers and by the answer's symbol (which rows a partly learned model gets right).

@@ -47,8 +47,8 @@ def _exit_interrupted(signum, frame):  # pylint: disable=unused-argument
 
 def main(argv: list[str]) -> None:
   """``argv``: the command line, program name first."""
-  # The training loop installs its own SIGTERM, SIGHUP and SIGINT handlers (save the step, then stop)
-  # and restores these when it ends.
+  # The training loop installs its own SIGTERM, SIGHUP and SIGINT handlers (save the step,
+  # then stop) and restores these when it ends.
   signal.signal(signal.SIGTERM, _exit_zero)
   signal.signal(signal.SIGHUP, _exit_zero)  # (a terminal or tmux session closed)
   signal.signal(signal.SIGINT, _exit_interrupted)
