@@ -628,9 +628,29 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         return {}
       if resume and resume[1]:
         log(f"resuming step {resume[0]} with changed settings: {'; '.join(resume[1])}")
+        warning = _split_change_warning(resume[1])
+        if warning and jax.process_index() == 0:
+          say(f"warning: {warning}", file=sys.stderr, flush=True)
       return _train(config, workdir, plan, log, stop)
   finally:
     stop.restore()
+
+
+# The fields that choose which documents are held out: changing one on resume can move
+# documents the run has trained on into the held-out split.
+_SPLIT_FIELDS = ("data.source", "data.paths", "data.eval_paths", "data.eval_fraction",
+                 "data.tfds_name", "data.tfds_data_dir", "data.tfds_train_split",
+                 "data.tfds_eval_split")
+
+
+def _split_change_warning(changed: list[str]) -> str | None:
+  """What to warn of when a resume changes what is held out (``changed``: check_resume's)."""
+  moved = [f for f in (c.split(" ", 1)[0] for c in changed) if f in _SPLIT_FIELDS]
+  if not moved:
+    return None
+  return (f"{', '.join(moved)} changed on resume: documents held out now may have been trained "
+          "on in the steps before, so held-out losses from here on do not compare with the "
+          "earlier ones; use a new --workdir (or --config.init_from) for a clean held-out split")
 
 
 def process_0s(flag: bool) -> bool:

@@ -340,7 +340,18 @@ def test_resuming_with_another_model_or_optimizer_is_refused_and_nothing_changes
   [line] = [l for l in proc.stdout.splitlines() if "changed settings" in l]
   assert "model.remat 'none' -> 'block'" in line and "optimizer.learning_rate" in line
   assert "total_steps 4 -> 6" in line
+  assert "changed on resume" not in proc.stderr  # the held-out split is the same
   assert saved_steps(tmp_path)[-1] == 6
+  # A setting that moves documents between the splits resumes with a warning saying so.
+  proc = train(tmp_path, "--config.total_steps=8", "--config.checkpoint_every=2",
+               "--config.eval_every=0", "--config.optimizer.learning_rate=0.002",
+               "--config.model.remat=block", "--config.data.eval_fraction=0.1",
+               cache=compile_cache)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  [line] = [l for l in proc.stderr.splitlines() if "changed on resume" in l]
+  assert line.startswith("warning: data.eval_fraction changed on resume: documents held out "
+                         "now may have been trained on"), line
+  assert saved_steps(tmp_path)[-1] == 8
 
 
 # --- a save that cannot be written --------------------------------------------------------------
