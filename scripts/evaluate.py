@@ -58,6 +58,9 @@ def main(argv=None) -> None:
       raise ConfigError(f"--memory_limit_gib={args.memory_limit_gib} must be >= 0")
     if args.train_len < 0:
       raise ConfigError(f"--train_len={args.train_len} must be >= 0 (0: none)")
+    if args.train_len and not args.plot:
+      raise ConfigError(f"--train_len={args.train_len} only marks the --plot; add --plot "
+                        "CURVE.png or leave --train_len out")
     if not args.nll_out.endswith(".npy"):  # (np.save would write NLL_OUT.npy)
       raise ConfigError(f"--nll_out {args.nll_out!r} must end in .npy")
     device = jax.local_devices()[0]
