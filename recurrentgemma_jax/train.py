@@ -977,8 +977,8 @@ def _loop(config, plan: Setup, log, compiled, checkpoints: "Checkpoints", n_para
     # The unigram model of 64 training tokens a held-out one, at most 2^20 (the default run's
     # 32768 held-out tokens take the 2^20): whatever the batch size, as the held-out set; a
     # tiny run's few held-out tokens need few training rows (their packing is the slow part).
-    entropy = data.unigram_entropy(config, train_tokens=min(2**20, 64 * config.data.eval_tokens))
-    writer.message(f"held-out loss {eval_record['eval_loss']:.4f} nats/token; the unigram "
-                   f"entropy of the held-out tokens is {entropy:.4f}")
+    baseline = data.unigram_baseline(config, train_tokens=min(2**20, 64 * config.data.eval_tokens))
+    writer.message(f"held-out loss {eval_record['eval_loss']:.4f} nats/token; a unigram model of "
+                   f"the training tokens scores {baseline:.4f} on the same held-out tokens")
   writer.message(f"done: step {config.total_steps}, checkpoints in {checkpoints.directory}")
   return last_record

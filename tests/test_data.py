@@ -135,16 +135,16 @@ def test_builtin_default_batches_and_held_out_split():
     np.testing.assert_array_equal(a["inputs"], b["inputs"])
 
 
-def test_unigram_entropy_is_a_sane_baseline(corpus, tmp_path):
-  entropy = data.unigram_entropy(make_config(batch_size=8, seq_len=128), train_tokens=32768)
+def test_unigram_baseline_is_sane(corpus, tmp_path):
+  entropy = data.unigram_baseline(make_config(batch_size=8, seq_len=128), train_tokens=32768)
   assert 1.5 < entropy < math.log(256)
   # The same held-out tokens and the same training rows whatever the batch size.
-  other = data.unigram_entropy(make_config(batch_size=4, seq_len=128), train_tokens=32768)
+  other = data.unigram_baseline(make_config(batch_size=4, seq_len=128), train_tokens=32768)
   assert other == entropy
   (tmp_path / "same.txt").write_text("a" * 5000)
   same = str(tmp_path / "same.txt")
   config = make_config(source="text", paths=same, eval_paths=same)
-  assert data.unigram_entropy(config, train_tokens=16384) < 0.1
+  assert data.unigram_baseline(config, train_tokens=16384) < 0.1
 
 
 # --- determinism, resumption, sharding ----------------------------------------------------------

@@ -11,7 +11,7 @@ from recurrentgemma_jax.data.pipeline import (
     held_out_rows,
     make_eval_batches,
     make_train_iterator,
-    unigram_entropy,
+    unigram_baseline,
 )
 from recurrentgemma_jax.data.tokenizers import (
     ByteTokenizer,
@@ -29,6 +29,6 @@ __all__ = [
     "make_eval_batches",
     "make_tokenizer",
     "make_train_iterator",
-    "unigram_entropy",
+    "unigram_baseline",
     "validate",
 ]

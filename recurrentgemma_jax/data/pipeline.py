@@ -160,7 +160,7 @@ def make_eval_batches(
   return batches
 
 
-def unigram_entropy(config, *, train_tokens: int = 2**20) -> float:
+def unigram_baseline(config, *, train_tokens: int = 2**20) -> float:
   """A baseline for the held-out loss, in nats per token: the cross-entropy of the held-out targets
   (``held_out_rows``, where ``loss_mask`` = 1: the tokens evaluation scores) under the unigram
   distribution of the targets of the first ``ceil(train_tokens / seq_len)`` training rows, add-one
