@@ -636,6 +636,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     stop.restore()
 
 
+def _block_counts(types: tuple[str, ...]) -> str:
+  """``'5 blocks: 4 recurrent, 1 attention'`` (the kinds in order of first use), so that a
+  Griffin-family model listing only one kind (the synthetic tasks' Hawk) says what it is."""
+  kinds = dict.fromkeys(types)
+  return f"{len(types)} blocks: " + ", ".join(f"{types.count(k)} {k}" for k in kinds)
+
+
 # The fields that choose which documents are held out: changing one on resume can move
 # documents the run has trained on into the held-out split.
 _SPLIT_FIELDS = ("data.source", "data.paths", "data.eval_paths", "data.eval_fraction",
@@ -843,7 +850,7 @@ def _loop(config, plan: Setup, log, compiled, checkpoints: "Checkpoints", n_para
                    "run are replaced")
   writer.message(
       f"{model_cfg.family} model: {n_params / 1e6:.2f}M parameters, "
-      f"{len(model_cfg.resolved_block_types)} blocks; mesh data={mesh.shape['data']} "
+      f"{_block_counts(model_cfg.resolved_block_types)}; mesh data={mesh.shape['data']} "
       f"model={mesh.shape['model']} on {jax.device_count()} {jax.devices()[0].device_kind}; "
       f"step {start} of {config.total_steps}")
   if plan.unsplit_note:

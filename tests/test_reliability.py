@@ -385,6 +385,9 @@ def test_exits_are_quiet(tmp_path, compile_cache):
                cache=compile_cache)
   assert done.returncode == 0
   assert_quiet(done)
+  # The start line says which blocks the model has (a Griffin-family model may list any mix).
+  assert "griffin model: " in done.stdout and " parameters, 3 blocks: 2 recurrent, " \
+      "1 attention; mesh data=1 model=1 on 1 cpu" in done.stdout, done.stdout[:2000]
   user_error = train(tmp_path / "a", "--config.total_steps=3", "--config.model.width=64")
   assert user_error.returncode == 2
   assert_quiet(user_error)
